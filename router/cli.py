@@ -1,0 +1,85 @@
+"""``prefix-router`` command line: ``sim`` (one simulated vLLM replica) and ``replay``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+__all__ = ["main"]
+
+
+def _add_sim(sub: argparse._SubParsersAction) -> None:
+    from .sim.config import SimConfig
+
+    d = SimConfig()
+    p = sub.add_parser("sim", help="run one simulated vLLM replica (OpenAI API, APC, vLLM metrics)",
+                       description="A stand-in vLLM replica: same HTTP API, prefix-cache rules and "
+                                   "metrics; timing modelled on one H100 serving an 8B model.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=d.model, help="served model name (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
+    p.add_argument("--num-blocks", type=int, default=d.num_gpu_blocks,
+                   help="KV capacity in blocks, as vLLM's num_gpu_blocks (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help=f"default: {d.max_model_len}, or the KV capacity when smaller")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=d.prefill_tokens_per_s)
+    p.add_argument("--decode-ms-per-token", type=float, default=d.decode_ms_per_token)
+    p.add_argument("--time-scale", type=float, default=d.time_scale,
+                   help="run this many times faster than modelled time (default: %(default)s)")
+    p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
+                   help="output length when a request sets no max_tokens (default: %(default)s)")
+    p.add_argument("--tokenizer", default=None,
+                   help="Hugging Face tokenizer folder (needed for exact chat token ids); "
+                        "default: built-in byte tokenizer")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_run_sim)
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from .sim.config import SimConfig
+    from .sim.server import create_app
+    from .tokenizer import load_tokenizer
+
+    capacity = (args.num_blocks - 1) * args.block_size
+    max_model_len = args.max_model_len or min(SimConfig().max_model_len, capacity)
+    config = SimConfig(
+        model=args.model, block_size=args.block_size, num_gpu_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len, prefill_tokens_per_s=args.prefill_tokens_per_s,
+        decode_ms_per_token=args.decode_ms_per_token, time_scale=args.time_scale,
+        default_max_tokens=args.default_max_tokens, tokenizer=args.tokenizer, seed=args.seed,
+    )
+    try:
+        app = create_app(config, load_tokenizer(args.tokenizer))
+    except (ValueError, OSError) as exc:
+        print(f"prefix-router sim: {exc}", file=sys.stderr)
+        return 2
+    web.run_app(app, host=args.host, port=args.port, access_log=None,
+                print=lambda *_: print(f"simulated vLLM replica on http://{args.host}:{args.port} "
+                                       f"model={config.model} blocks={config.num_gpu_blocks}x{config.block_size}",
+                                       flush=True))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``prefix-router`` console script; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="prefix-router", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_sim(sub)
+    from .replay.cli import add_parser as add_replay
+
+    add_replay(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

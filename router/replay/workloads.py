@@ -1,0 +1,178 @@
+"""Workloads to replay: Mooncake traces, SWE-agent trajectories and a built-in generator.
+
+Every loader returns a list of ``ReplayRequest``. A request with no ``session`` is sent at
+``at_s``; the turns of a session are sent in order, the first at ``at_s`` and each later one
+``think_s`` after the previous turn's response ended (an agent or a user waits for the answer).
+Times are modelled seconds; the replayer divides them by its ``--time-scale``.
+
+- Mooncake (FAST'25 trace release, kvcache-ai/Mooncake): one JSON object a line with
+  ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids`` (one id per
+  ``block_size``-token block, 512 in the release). Each id maps to a fixed block of token ids
+  drawn from a generator seeded by the id, so equal ids give equal tokens; the last block holds
+  ``input_length - 512 * (len(hash_ids) - 1)`` tokens. Sent as ``/v1/completions`` with a
+  token-id prompt, ``max_tokens = output_length`` and ``ignore_eos``.
+- SWE-agent ``.traj`` files (``history`` of messages with tool calls): turn k is the chat
+  request holding ``history[:k]`` up to the k-th assistant message; each file is a session.
+- ``builtin_workload``: seeded synthetic chat and agent sessions (see ``generate.py``).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["ReplayRequest", "load_mooncake", "load_trajectories", "mooncake_block_tokens", "load_workload"]
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+@dataclass(slots=True)
+class ReplayRequest:
+    """One request to send: ``path`` and the body without ``model`` and ``stream``."""
+
+    path: str
+    body: dict
+    at_s: float = 0.0  # send time (or session start), modelled seconds from the replay's start
+    session: str | None = None  # turns of one session go out one after another
+    turn: int = 0
+    think_s: float = 0.0  # wait after the previous turn's response, modelled seconds
+    meta: dict = field(default_factory=dict)  # e.g. the Mooncake hash_ids, for offline checks
+
+
+def mooncake_block_tokens(hash_id: int, block_size: int, vocab_size: int) -> np.ndarray:
+    """The fixed token ids of Mooncake block ``hash_id``: ``block_size`` ids in [100, vocab).
+
+    Seeded by the id alone (numpy PCG64), so every run and every process agrees.
+    Ids below 100 are left out to keep clear of a tokenizer's special tokens.
+    """
+    rng = np.random.default_rng(hash_id)
+    return rng.integers(100, vocab_size, size=block_size, dtype=np.int64)
+
+
+def load_mooncake(path: str | Path, *, block_size: int = 512, vocab_size: int = 32_000,
+                  limit: int | None = None) -> list[ReplayRequest]:
+    """Read a Mooncake-format JSONL trace into completion requests with token-id prompts.
+
+    Raises ValueError naming the line of a malformed record.
+    """
+    requests: list[ReplayRequest] = []
+    cache: dict[int, np.ndarray] = {}
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(requests) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                hash_ids = [int(h) for h in rec["hash_ids"]]
+                input_length = int(rec["input_length"])
+                output_length = int(rec["output_length"])
+                timestamp_ms = float(rec["timestamp"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a Mooncake record ({exc})") from None
+            if not hash_ids or input_length <= block_size * (len(hash_ids) - 1) or input_length > block_size * len(hash_ids):
+                raise ValueError(f"{path}:{lineno}: input_length {input_length} does not fit "
+                                 f"{len(hash_ids)} blocks of {block_size}")
+            blocks = []
+            for h in hash_ids:
+                block = cache.get(h)
+                if block is None:
+                    block = cache[h] = mooncake_block_tokens(h, block_size, vocab_size)
+                blocks.append(block)
+            tokens = np.concatenate(blocks)[:input_length].tolist()
+            body = {"prompt": tokens, "max_tokens": max(output_length, 1), "ignore_eos": True}
+            requests.append(ReplayRequest(COMPLETIONS, body, at_s=timestamp_ms / 1000.0,
+                                          meta={"hash_ids": hash_ids, "input_length": input_length}))
+    return requests
+
+
+def _literal(value):
+    """SWE-agent stores tool_calls / tool_call_ids as Python reprs; accept those or JSON."""
+    if isinstance(value, str):
+        try:
+            return ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            return json.loads(value)
+    return value
+
+
+def trajectory_messages(history: list[dict]) -> list[dict]:
+    """SWE-agent history entries as OpenAI chat messages (tool calls kept)."""
+    messages: list[dict] = []
+    for entry in history:
+        role = entry.get("role")
+        if role not in ("system", "user", "assistant", "tool"):
+            continue
+        content = entry.get("content")
+        if isinstance(content, list):
+            content = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        message: dict = {"role": role, "content": "" if content is None else str(content)}
+        if role == "assistant" and entry.get("tool_calls"):
+            calls = _literal(entry["tool_calls"])
+            message["tool_calls"] = [
+                {"id": c.get("id", f"call_{i}"), "type": "function",
+                 "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments") or "{}"}}
+                for i, c in enumerate(calls)
+            ]
+        if role == "tool":
+            ids = _literal(entry.get("tool_call_ids") or "[]")
+            message["tool_call_id"] = ids[0] if ids else "call_0"
+        messages.append(message)
+    return messages
+
+
+def load_trajectories(paths: list[Path], *, sessions: int | None = None, stagger_s: float = 5.0,
+                      think_s: float = 2.0, max_tokens: int = 64) -> list[ReplayRequest]:
+    """One chat session per trajectory (cycled to ``sessions`` copies, each made distinct).
+
+    Turn k holds the history up to the k-th assistant message. Copies after the first of a
+    file get a session marker appended to their first user message, so they share the system
+    prompt (and demonstration) but not the task, like several agents on one harness.
+    """
+    histories = [trajectory_messages(json.loads(Path(p).read_text())["history"]) for p in sorted(paths)]
+    histories = [h for h in histories if any(m["role"] == "assistant" for m in h)]
+    if not histories:
+        raise ValueError("no trajectory with an assistant turn")
+    count = sessions or len(histories)
+    requests: list[ReplayRequest] = []
+    for s in range(count):
+        messages = [dict(m) for m in histories[s % len(histories)]]
+        copy = s // len(histories)
+        if copy:
+            first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+            messages[first_user]["content"] += f"\n(session {copy})"
+        turn = 0
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant" or k == 0:
+                continue
+            requests.append(ReplayRequest(CHAT, {"messages": messages[:k], "max_tokens": max_tokens,
+                                                 "ignore_eos": True},
+                                          at_s=s * stagger_s, session=f"traj-{s}", turn=turn,
+                                          think_s=think_s if turn else 0.0))
+            turn += 1
+    return requests
+
+
+def load_workload(trace: str | None, *, workload: str = "mixed", limit: int | None = None,
+                  trace_block_size: int = 512, vocab_size: int = 32_000, seed: int = 0,
+                  max_tokens: int = 64) -> list[ReplayRequest]:
+    """Pick a loader by file: ``.jsonl`` Mooncake, ``.traj`` or a folder of them, else built-in."""
+    if trace is None:
+        from .generate import builtin_workload
+
+        requests = builtin_workload(workload, seed=seed)
+    else:
+        path = Path(trace)
+        if path.is_dir():
+            requests = load_trajectories(sorted(path.glob("*.traj")), max_tokens=max_tokens)
+        elif path.suffix == ".traj":
+            requests = load_trajectories([path], max_tokens=max_tokens)
+        else:
+            requests = load_mooncake(path, block_size=trace_block_size, vocab_size=vocab_size, limit=limit)
+    return requests[:limit] if limit is not None else requests

