@@ -143,6 +143,10 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str) -> None:
+        import os
+
+        # transformers warns at import that PyTorch is absent; tokenizers need no PyTorch.
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from transformers import AutoTokenizer  # deferred: importing transformers takes ~1 s
 
         self.path = path

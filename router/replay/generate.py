@@ -106,13 +106,17 @@ def builtin_workload(name: str = "mixed", *, seed: int = 0, sessions: int = 48, 
     breakers = ("timestamp", "tools_reordered", "trimmed")
     requests: list[ReplayRequest] = []
     start = 0.0
+    num_breakers = 0
     for s in range(sessions):
         start += rng.expovariate(rate)
         if name == "breakers":
             kind, breaker = rng.choice(("chat", "agent")), breakers[s % len(breakers)]
         else:
             kind = name if name in ("chat", "agent") else rng.choice(("chat", "agent"))
-            breaker = breakers[s % len(breakers)] if name == "mixed" and rng.random() < 0.2 else None
+            breaker = None
+            if name == "mixed" and rng.random() < 0.2:
+                breaker = breakers[num_breakers % len(breakers)]  # every kind, in turn
+                num_breakers += 1
         system = systems[rng.randrange(len(systems))]
         tools = tool_sets[rng.randrange(len(tool_sets))] if kind == "agent" or breaker == "tools_reordered" else None
         requests.extend(_session(rng, f"{name}-{s}", kind, start, system, tools, breaker, think_s, max_tokens))

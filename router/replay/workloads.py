@@ -135,7 +135,12 @@ def load_trajectories(paths: list[Path], *, sessions: int | None = None, stagger
     file get a session marker appended to their first user message, so they share the system
     prompt (and demonstration) but not the task, like several agents on one harness.
     """
-    histories = [trajectory_messages(json.loads(Path(p).read_text())["history"]) for p in sorted(paths)]
+    histories = []
+    for path in sorted(paths):
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("history"), list):
+            raise ValueError(f"{path}: not a SWE-agent trajectory (no 'history' list)")
+        histories.append(trajectory_messages(data["history"]))
     histories = [h for h in histories if any(m["role"] == "assistant" for m in h)]
     if not histories:
         raise ValueError("no trajectory with an assistant turn")
@@ -144,8 +149,8 @@ def load_trajectories(paths: list[Path], *, sessions: int | None = None, stagger
     for s in range(count):
         messages = [dict(m) for m in histories[s % len(histories)]]
         copy = s // len(histories)
-        if copy:
-            first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+        first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+        if copy and first_user is not None:
             messages[first_user]["content"] += f"\n(session {copy})"
         turn = 0
         for k, message in enumerate(messages):

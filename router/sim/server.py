@@ -47,6 +47,8 @@ async def _read_json(request: web.Request) -> dict:
         body = await request.json(loads=json.loads)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(f"JSON decode error: {exc}", param="body") from None
+    except RecursionError:  # json.loads on deeply nested arrays or objects
+        raise ApiError("JSON decode error: nested too deeply", param="body") from None
     if not isinstance(body, dict):
         raise ApiError("request body must be a JSON object", param="body")
     return body
@@ -81,6 +83,15 @@ async def _generate(request: web.Request, params: CompletionParams, token_ids: l
             f"This model's maximum context length is {config.max_model_len} tokens. However, your "
             f"prompt contains {len(token_ids)} input tokens, which exceeds this limit even without "
             "any output tokens. Please reduce the length of the input prompt.",
+            param="input_tokens")
+    if len(token_ids) == config.max_model_len:
+        # vLLM rejects this too (InputProcessor._validate_prompt_len); admitted, a chunked
+        # prefill would stop one token short (the scheduler's max_model_len - 1 cap) forever.
+        raise ApiError(
+            f"The decoder prompt (length {len(token_ids)}) plus the number of requested output "
+            f"tokens (at least 1) is longer than the maximum model length of {config.max_model_len}. "
+            "Make sure that `max_model_len` is no smaller than the number of text tokens "
+            "(prompt + requested output tokens).",
             param="input_tokens")
     if params.max_tokens is not None and params.max_tokens > config.max_model_len:
         raise ApiError(f"max_tokens={params.max_tokens} cannot be greater than "

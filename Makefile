@@ -1,0 +1,33 @@
+# prefix-router: every target makes the virtual environments it needs.
+PYTHON ?= python3
+VENV := .venv
+VLLM_VENV := .venv-vllm
+
+.PHONY: test test-fast vllm-env bench-sim clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $@
+
+# The real vLLM engine (CPU build) for the real-engine tests: about 4 minutes, 3.5 GB.
+$(VLLM_VENV)/.installed: tests/vllm_tier/make_env.sh
+	tests/vllm_tier/make_env.sh $(VLLM_VENV)
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed
+
+# Everything, the real-engine tier included.
+test: $(VENV)/.installed $(VLLM_VENV)/.installed
+	$(VENV)/bin/python -m pytest tests -q -rs
+
+# Without the real engine: seconds, not minutes.
+test-fast: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest tests -q -rs -m "not vllm"
+
+bench-sim: $(VENV)/.installed
+	$(VENV)/bin/python -m bench.sim_throughput
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache

@@ -1,0 +1,353 @@
+"""The simulated vLLM replica's HTTP API (router/sim/server.py), driven in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.sim.config import SimConfig
+from router.sim.server import ENGINE, create_app
+from router.tokenizer import ByteTokenizer
+
+MODEL = "test-model"
+CONFIG = SimConfig(model=MODEL, block_size=16, num_gpu_blocks=256, max_model_len=1024, time_scale=1000)
+CHAT_MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
+
+
+def prompt_ids(n: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n))
+
+
+def expected_hit(prompt_len: int, block_size: int) -> int:
+    """Full prompt blocks, never covering the last prompt token (vLLM's cap)."""
+    return (prompt_len - 1) // block_size * block_size
+
+
+def sse_events(text: str) -> list[str]:
+    """Payloads of an SSE body, checking the `data: ...\\n\\n` framing on the way."""
+    assert text.endswith("\n\n")
+    events = text[:-2].split("\n\n")
+    assert all(e.startswith("data: ") for e in events), events
+    return [e[len("data: "):] for e in events]
+
+
+async def make_client(aiohttp_client, config: SimConfig = CONFIG):
+    return await aiohttp_client(create_app(config, ByteTokenizer()))
+
+
+@pytest.fixture
+async def client(aiohttp_client):
+    return await make_client(aiohttp_client)
+
+
+async def complete(client, **body):
+    resp = await client.post("/v1/completions", json={"model": MODEL, **body})
+    return resp.status, await resp.json()
+
+
+async def metric_samples(client) -> dict[str, list]:
+    resp = await client.get("/metrics")
+    assert resp.status == 200
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(await resp.text()):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    return samples
+
+
+# -- completions -------------------------------------------------------------------------
+
+
+async def test_a_token_id_completion_returns_a_text_completion_with_usage(client):
+    prompt = prompt_ids(50)
+    status, body = await complete(client, prompt=prompt, max_tokens=7)
+    assert status == 200
+    assert body["object"] == "text_completion"
+    assert body["model"] == MODEL
+    choice = body["choices"][0]
+    assert isinstance(choice["text"], str) and len(choice["text"].split()) == 7
+    assert choice["finish_reason"] == "length"
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == len(prompt)
+    assert usage["completion_tokens"] == 7
+    assert usage["total_tokens"] == len(prompt) + 7
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+@pytest.mark.parametrize("length", [50, 64, 17])
+async def test_a_repeated_prompt_hits_its_full_blocks_except_the_last_token(client, length):
+    prompt = prompt_ids(length, start=5000 + length)
+    await complete(client, prompt=prompt, max_tokens=3)
+    status, body = await complete(client, prompt=prompt, max_tokens=3)
+    assert status == 200
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == expected_hit(length, CONFIG.block_size)
+
+
+async def test_cache_salt_separates_tenants_and_matching_salts_share(client):
+    prompt = prompt_ids(80)
+    await complete(client, prompt=prompt, max_tokens=2, cache_salt="tenant-a")
+    _, other = await complete(client, prompt=prompt, max_tokens=2, cache_salt="tenant-b")
+    _, unsalted = await complete(client, prompt=prompt, max_tokens=2)
+    _, same = await complete(client, prompt=prompt, max_tokens=2, cache_salt="tenant-a")
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert unsalted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert same["usage"]["prompt_tokens_details"]["cached_tokens"] == expected_hit(80, CONFIG.block_size)
+
+
+async def test_an_empty_cache_salt_is_a_400_with_an_openai_error_body(client):
+    status, body = await complete(client, prompt=prompt_ids(20), max_tokens=2, cache_salt="")
+    assert status == 400
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["param"] == "cache_salt"
+    assert body["error"]["code"] == 400
+
+
+# -- streaming ---------------------------------------------------------------------------
+
+
+async def test_a_streamed_completion_is_framed_as_sse_and_ends_with_done(client):
+    resp = await client.post("/v1/completions", json={
+        "model": MODEL, "prompt": "hello there", "max_tokens": 12, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    events = sse_events(await resp.text())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 12
+    assert usage_chunk["usage"]["prompt_tokens"] == len(ByteTokenizer().encode("hello there"))
+    text_chunks = chunks[:-1]
+    assert all(c["object"] == "text_completion" for c in text_chunks)
+    assert text_chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])
+    text = "".join(c["choices"][0]["text"] for c in text_chunks)
+    assert len(text.split()) == 12
+
+
+async def test_a_streamed_chat_starts_with_the_assistant_role_and_counts_max_tokens(client):
+    resp = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 9, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert resp.status == 200
+    events = sse_events(await resp.text())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 9
+    assert usage_chunk["usage"]["prompt_tokens"] == len(ByteTokenizer().render_chat(CHAT_MESSAGES))
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
+    assert len(text.split()) == 9
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "no usage please"}),
+    ("/v1/chat/completions", {"messages": CHAT_MESSAGES}),
+])
+@pytest.mark.parametrize("options", [None, {"include_usage": False}])
+async def test_a_stream_has_no_usage_chunk_unless_include_usage_is_true(client, path, body, options):
+    request = {"model": MODEL, "max_tokens": 4, "stream": True, **body}
+    if options is not None:
+        request["stream_options"] = options
+    resp = await client.post(path, json=request)
+    assert resp.status == 200
+    events = sse_events(await resp.text())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("usage" not in c and c["choices"] for c in chunks)
+
+
+async def test_a_non_streamed_chat_returns_an_assistant_message(client):
+    resp = await client.post("/v1/chat/completions",
+                             json={"model": MODEL, "messages": CHAT_MESSAGES, "max_completion_tokens": 5})
+    assert resp.status == 200
+    body = await resp.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert len(body["choices"][0]["message"]["content"].split()) == 5
+    assert body["usage"]["completion_tokens"] == 5
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+def assert_error(status: int, body: dict, expected_status: int) -> None:
+    assert status == expected_status
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == expected_status
+
+
+async def test_malformed_json_is_a_400(client):
+    resp = await client.post("/v1/completions", data=b'{"prompt": "x",',
+                             headers={"Content-Type": "application/json"})
+    assert_error(resp.status, await resp.json(), 400)
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", "x"), ("stream", "yes"), ("max_tokens", True),
+                                          ("max_tokens", 0), ("stream_options", [])])
+async def test_a_field_of_the_wrong_type_is_a_400_naming_it(client, field, value):
+    status, body = await complete(client, prompt="hi", **{field: value})
+    assert_error(status, body, 400)
+    assert body["error"]["param"] == field
+
+
+async def test_an_unknown_model_is_a_404_not_found(client):
+    resp = await client.post("/v1/completions", json={"model": "other-model", "prompt": "hi"})
+    body = await resp.json()
+    assert_error(resp.status, body, 404)
+    assert body["error"]["type"] == "NotFoundError"
+
+
+async def test_an_empty_message_list_is_a_400(client):
+    resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert_error(resp.status, await resp.json(), 400)
+
+
+async def test_a_prompt_longer_than_max_model_len_is_a_400_about_the_context_length(client):
+    status, body = await complete(client, prompt=prompt_ids(CONFIG.max_model_len + 1), max_tokens=1)
+    assert_error(status, body, 400)
+    assert "maximum context length" in body["error"]["message"]
+
+
+async def test_a_prompt_of_exactly_max_model_len_is_refused_instead_of_hanging(aiohttp_client):
+    # Chunked prefill (prompt > max_num_batched_tokens) used to stop one token short forever.
+    config = SimConfig(model=MODEL, block_size=4, num_gpu_blocks=64, max_model_len=128,
+                       max_num_batched_tokens=32, time_scale=1000)
+    client = await make_client(aiohttp_client, config)
+    status, body = await asyncio.wait_for(complete(client, prompt=prompt_ids(128), max_tokens=1), 5)
+    assert_error(status, body, 400)
+    status, body = await asyncio.wait_for(complete(client, prompt=prompt_ids(127), max_tokens=5), 5)
+    assert status == 200
+    assert body["usage"]["completion_tokens"] == 1  # stopped at max_model_len
+
+
+async def test_max_tokens_above_max_model_len_is_a_400(client):
+    status, body = await complete(client, prompt="hi", max_tokens=CONFIG.max_model_len + 1)
+    assert_error(status, body, 400)
+    assert body["error"]["param"] == "max_tokens"
+
+
+async def test_more_than_one_choice_is_a_400(client):
+    status, body = await complete(client, prompt="hi", n=2)
+    assert_error(status, body, 400)
+    assert body["error"]["param"] == "n"
+
+
+JUNK_BODIES = [
+    b"[]", b"[1, 2]", b"42", b"null", b'"text"', b"true", b"", b"\xff\xfe", b"{",
+    b"[" * 50_000 + b"]" * 50_000,  # nested deeper than json.loads can recurse
+    json.dumps({"prompt": [[1, 2], [3]]}).encode(),
+    json.dumps({"prompt": {"a": [None, {"b": []}]}}).encode(),
+    json.dumps({"prompt": [-1, 2]}).encode(),
+    json.dumps({"prompt": [2**70]}).encode(),
+    json.dumps({"prompt": [1.5]}).encode(),
+    json.dumps({"messages": [None]}).encode(),
+    json.dumps({"messages": [{"role": 7}]}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": {"nested": [1]}}]}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": [{"type": "image"}]}]}).encode(),
+    json.dumps({"messages": [{"role": "assistant", "content": None,
+                              "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}]}]}).encode(),
+    json.dumps({"messages": [{"role": "assistant", "tool_calls": [1, "x"]}]}).encode(),
+    json.dumps({"messages": CHAT_MESSAGES, "tools": [{"function": None}]}).encode(),
+    json.dumps({"messages": CHAT_MESSAGES, "tools": "all"}).encode(),
+    json.dumps({"prompt": "x", "model": ["m"]}).encode(),
+    json.dumps({"prompt": "x", "stream_options": {"include_usage": "yes"}, "stream": True}).encode(),
+    json.dumps({"prompt": "x", "cache_salt": 5}).encode(),
+    json.dumps({"prompt": "x", "chat_template_kwargs": 3, "messages": 3}).encode(),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+async def test_junk_bodies_never_get_a_server_error(client, path):
+    for raw in JUNK_BODIES:
+        resp = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+        assert resp.status < 500, (path, raw[:80], await resp.text())
+        if resp.status >= 400:
+            assert set((await resp.json())["error"]) == {"message", "type", "param", "code"}
+
+
+# -- other endpoints ---------------------------------------------------------------------
+
+
+async def test_models_lists_the_configured_model(client):
+    resp = await client.get("/v1/models")
+    assert resp.status == 200
+    body = await resp.json()
+    assert [m["id"] for m in body["data"]] == [MODEL]
+    assert body["data"][0]["max_model_len"] == CONFIG.max_model_len
+
+
+async def test_health_is_200(client):
+    assert (await client.get("/health")).status == 200
+
+
+async def test_tokenize_counts_prompt_and_chat_tokens(client):
+    tokenizer = ByteTokenizer()
+    resp = await client.post("/tokenize", json={"model": MODEL, "prompt": "count these bytes"})
+    body = await resp.json()
+    assert body["count"] == len(body["tokens"]) == len(tokenizer.encode("count these bytes"))
+    resp = await client.post("/tokenize", json={"model": MODEL, "messages": CHAT_MESSAGES})
+    body = await resp.json()
+    assert body["count"] == len(body["tokens"])
+    assert body["tokens"] == tokenizer.render_chat(CHAT_MESSAGES)
+
+
+# -- metrics -----------------------------------------------------------------------------
+
+
+async def test_prefix_cache_counters_match_the_usage_the_client_saw(client):
+    prompts = [prompt_ids(40), prompt_ids(40), prompt_ids(70), prompt_ids(33, start=9000)]
+    sent = cached = 0
+    for prompt in prompts:
+        _, body = await complete(client, prompt=prompt, max_tokens=2)
+        sent += body["usage"]["prompt_tokens"]
+        cached += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0
+    samples = await metric_samples(client)
+    assert samples["vllm:prefix_cache_queries_total"][0].value == sent
+    assert samples["vllm:prefix_cache_hits_total"][0].value == cached
+
+
+async def test_metrics_carry_vllm_names_and_labels(client):
+    await complete(client, prompt=prompt_ids(30), max_tokens=3)
+    samples = await metric_samples(client)
+    (info,) = samples["vllm:cache_config_info"]
+    assert info.labels["block_size"] == str(CONFIG.block_size)
+    assert info.labels["num_gpu_blocks"] == str(CONFIG.num_gpu_blocks)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count"):
+        (sample,) = samples[name]
+        assert sample.labels == {"model_name": MODEL, "engine": "0"}, name
+    assert samples["vllm:time_to_first_token_seconds_count"][0].value == 1
+    assert samples["vllm:e2e_request_latency_seconds_count"][0].value == 1
+    assert samples["vllm:num_requests_running"][0].value == 0
+    assert samples["vllm:kv_cache_usage_perc"][0].value == 0
+
+
+async def test_a_client_that_disconnects_mid_stream_frees_its_kv_blocks(aiohttp_client):
+    # Real time (time_scale 1): 6 ms a token, so 1,000 tokens outlast the disconnect by far.
+    config = SimConfig(model=MODEL, block_size=16, num_gpu_blocks=256, max_model_len=2048, time_scale=1)
+    client = await make_client(aiohttp_client, config)
+    kv = client.server.app[ENGINE].scheduler.kv
+    resp = await client.post("/v1/completions", json={
+        "model": MODEL, "prompt": prompt_ids(100), "max_tokens": 1000, "stream": True})
+    assert resp.status == 200
+    first = await resp.content.readline()
+    assert first.startswith(b"data: ")
+    assert kv.num_free_blocks < config.num_gpu_blocks - 1  # the request holds blocks now
+    resp.close()
+    for _ in range(200):
+        if kv.num_free_blocks == config.num_gpu_blocks - 1:
+            break
+        await asyncio.sleep(0.01)
+    assert kv.num_free_blocks == config.num_gpu_blocks - 1
+    samples = await metric_samples(client)
+    assert samples["vllm:kv_cache_usage_perc"][0].value == 0
+    assert samples["vllm:num_requests_running"][0].value == 0
