@@ -1,4 +1,5 @@
-"""``prefix-router`` command line: ``sim`` (one simulated vLLM replica) and ``replay``."""
+"""``prefix-router`` command line: ``serve`` (the gateway), ``sim`` (one simulated vLLM replica)
+and ``replay``."""
 
 from __future__ import annotations
 
@@ -67,11 +68,56 @@ def _run_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the prefix-affinity gateway in front of vLLM replicas",
+                       description="OpenAI-compatible gateway: routes each request to the replica most "
+                                   "likely to hold its prompt's prefix, bounded by load.")
+    p.add_argument("--config", default=None, help="YAML configuration (see configs/)")
+    p.add_argument("--replica", action="append", default=None, metavar="URL",
+                   help="replica base URL, repeatable (replaces the configured list)")
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--policy", default=None, choices=("prefix-affinity", "round-robin", "least-loaded"))
+    p.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer folder (exact token blocks)")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from .app import create_app
+    from .config import ConfigError, load_config
+    from .tokenizer import HFTokenizer
+
+    overrides: dict = {}
+    for key in ("host", "port", "tokenizer"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
+    if args.replica:
+        overrides["replicas"] = list(args.replica)
+    if args.policy:
+        overrides["routing"] = {"policy": args.policy}
+    try:
+        config = load_config(args.config, overrides=overrides)
+        if not config.replicas:
+            raise ConfigError("replicas: at least one replica is needed (--replica URL or the config file)")
+        tokenizer = HFTokenizer(config.tokenizer) if config.tokenizer else None
+    except (ConfigError, OSError) as exc:
+        print(f"prefix-router serve: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(config, tokenizer)
+    web.run_app(app, host=config.host, port=config.port, access_log=None, handler_cancellation=True,
+                print=lambda *_: print(f"prefix-router gateway on http://{config.host}:{config.port} "
+                                       f"({config.routing.policy}, {len(config.replicas)} replicas)", flush=True))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``prefix-router`` console script; returns the exit status."""
     parser = argparse.ArgumentParser(prog="prefix-router", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
     _add_sim(sub)
     from .replay.cli import add_parser as add_replay
 

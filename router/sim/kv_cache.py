@@ -26,52 +26,18 @@ sequence of requests, so every rule below mirrors vLLM 0.32 (``vllm/v1/core/``):
 - Two blocks may hold the same hash (two requests computed the same block before either was
   cached); lookups return the first one inserted (``BlockHashToBlockMap``).
 
-The digests differ from vLLM's (xxhash here, sha256 there); only their equality matters.
+Block hashes come from ``router/blocks.py`` (shared with the gateway); the digests differ from
+vLLM's (xxhash here, sha256 there): only their equality matters.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import NewType
 
-import xxhash
+from ..blocks import BlockHash, extend_block_hashes, seed_hash
 
 __all__ = ["BlockHash", "Block", "KVCache", "seed_hash", "extend_block_hashes"]
-
-BlockHash = NewType("BlockHash", int)
-
-
-def seed_hash(model: str, cache_salt: str | None) -> BlockHash:
-    """The parent hash of a prompt's first block: separates models/adapters and cache salts."""
-    key = f"{model}\x00{cache_salt or ''}".encode()
-    return BlockHash(xxhash.xxh3_64_intdigest(key))
-
-
-def extend_block_hashes(
-    hashes: list[BlockHash],
-    token_ids: Sequence[int],
-    block_size: int,
-    seed: BlockHash,
-) -> None:
-    """Append the chained hashes of every full block of ``token_ids`` not yet in ``hashes``.
-
-    ``hashes[i]`` identifies ``token_ids[: (i + 1) * block_size]``: it is the xxh3 digest of
-    block i's token ids (as 64-bit integers) seeded with ``hashes[i - 1]`` (``seed`` for i = 0).
-    Called again as generated tokens extend the sequence, like ``Request.block_hashes`` in vLLM.
-    """
-    num_full = len(token_ids) // block_size
-    start = len(hashes)
-    if start >= num_full:
-        return
-    parent = hashes[-1] if hashes else seed
-    data = array("q", token_ids[start * block_size : num_full * block_size]).tobytes()
-    width = block_size * 8
-    digest = xxhash.xxh3_64_intdigest
-    for offset in range(0, len(data), width):
-        parent = BlockHash(digest(data[offset : offset + width], parent))
-        hashes.append(parent)
 
 
 class Block:

@@ -1,0 +1,101 @@
+"""``create_app``: the gateway as an aiohttp application, with its pollers in ``cleanup_ctx``.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (routed and proxied),
+``GET /v1/models`` (from the first healthy replica), ``GET /health`` (liveness), ``GET /ready``
+(200 when at least one replica is healthy, else 503), ``GET /metrics``, ``GET /replicas``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .config import GatewayConfig
+from .gateway import Gateway
+from .proxy import REPLICA_HEADER, handle_generate, openai_error
+from .replicas import poll_health, poll_metrics, scrape_once
+from .tokenizer import PromptTokenizer
+
+__all__ = ["create_app", "GATEWAY"]
+
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
+async def _sync_loop(gw: Gateway, interval_s: float) -> None:
+    while True:
+        gw.sync_ring()
+        await asyncio.sleep(interval_s)
+
+
+def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None) -> web.Application:
+    """Build the gateway application; nothing runs until the app starts."""
+    gw = Gateway(config, tokenizer)
+    app = web.Application(client_max_size=config.limits.max_body_bytes)
+    app[GATEWAY] = gw
+
+    async def lifecycle(app: web.Application):
+        up = config.upstream
+        timeout = aiohttp.ClientTimeout(total=None, connect=up.connect_timeout_s, sock_read=up.read_timeout_s)
+        gw.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=up.max_connections),
+                                        timeout=timeout, auto_decompress=False)
+        replicas = list(gw.replicas.values())
+        await asyncio.gather(*(scrape_once(gw.http, r, 2.0) for r in replicas))
+        gw.sync_ring()
+        tasks = [asyncio.create_task(poll_health(gw.http, replicas, config.health)),
+                 asyncio.create_task(poll_metrics(gw.http, replicas, config.scrape.interval_s)),
+                 asyncio.create_task(_sync_loop(gw, min(config.scrape.interval_s, config.health.interval_s) / 2))]
+        yield
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await gw.http.close()
+        gw.executor.shutdown(wait=False)
+
+    app.cleanup_ctx.append(lifecycle)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await handle_generate(request, gw, "/v1/chat/completions", chat=True)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await handle_generate(request, gw, "/v1/completions", chat=False)
+
+    async def models(request: web.Request) -> web.Response:
+        for replica in gw.replicas.values():
+            if not replica.healthy:
+                continue
+            try:
+                async with gw.http.get(replica.url + "/v1/models") as resp:
+                    if resp.status == 200:
+                        return web.Response(body=await resp.read(), content_type="application/json",
+                                            headers={REPLICA_HEADER: replica.name})
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                continue
+        return openai_error(503, "no healthy replica answered /v1/models")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(request: web.Request) -> web.Response:
+        healthy = sum(r.healthy for r in gw.replicas.values())
+        return web.json_response({"healthy_replicas": healthy}, status=200 if healthy else 503)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(gw.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def replicas(request: web.Request) -> web.Response:
+        return web.json_response(gw.describe())
+
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/replicas", replicas)
+    return app

@@ -1,0 +1,60 @@
+"""Token blocks and their chained identity, shared by the gateway and the simulator.
+
+A prompt of token ids is cut into blocks of ``block_size`` tokens; only full blocks count, as
+in vLLM's prefix cache. Block i's hash covers block i's tokens and block i-1's hash, so equal
+hashes mean equal prefixes up to and including that block (vLLM:
+``vllm/v1/core/kv_cache_utils.py``, ``hash_block_tokens``). The first block's parent is a seed
+made of the model (or LoRA adapter) name and the ``cache_salt``: different salts never share a
+block, as in vLLM, where the salt enters the first block's extra keys.
+
+Digests are xxh3-64 over the token ids as little-endian 64-bit integers, seeded with the
+parent hash. They are stable across processes and machines (never Python's ``hash()``), so
+several gateway instances agree. They are not vLLM's digests (sha256 there): the gateway
+compares token ids, not engine hashes.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import NewType
+
+import xxhash
+
+__all__ = ["BlockHash", "seed_hash", "extend_block_hashes", "block_hashes"]
+
+BlockHash = NewType("BlockHash", int)
+
+
+def seed_hash(model: str, cache_salt: str | None = None, lora: str | None = None) -> BlockHash:
+    """The parent hash of a prompt's first block: separates models, adapters and cache salts."""
+    key = f"{model}\x00{lora or ''}\x00{cache_salt or ''}".encode()
+    return BlockHash(xxhash.xxh3_64_intdigest(key))
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
+                        seed: BlockHash) -> None:
+    """Append the chained hashes of every full block of ``token_ids`` not yet in ``hashes``.
+
+    ``hashes[i]`` identifies ``token_ids[: (i + 1) * block_size]``. Call again as the sequence
+    grows (generated tokens, a longer next turn) to hash only the new blocks. Token ids must be
+    in [-2**63, 2**63).
+    """
+    num_full = len(token_ids) // block_size
+    start = len(hashes)
+    if start >= num_full:
+        return
+    parent = hashes[-1] if hashes else seed
+    data = array("q", token_ids[start * block_size : num_full * block_size]).tobytes()
+    width = block_size * 8
+    digest = xxhash.xxh3_64_intdigest
+    for offset in range(0, len(data), width):
+        parent = BlockHash(digest(data[offset : offset + width], parent))
+        hashes.append(parent)
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, seed: BlockHash) -> list[BlockHash]:
+    """Chained hashes of the full blocks of ``token_ids`` (see ``extend_block_hashes``)."""
+    out: list[BlockHash] = []
+    extend_block_hashes(out, token_ids, block_size, seed)
+    return out

@@ -1,0 +1,474 @@
+"""Gateway configuration: one frozen dataclass per component, loaded from YAML and checked once.
+
+``load_config`` reads a YAML file, deep-merges ``overrides`` (what the CLI flags become) over
+it, and builds a ``GatewayConfig``. Validation is driven by the dataclass fields and their type
+annotations, so a new field needs no new checking code; value ranges live in one table
+(``_CHECKS``). Every problem is a ``ConfigError`` whose message starts with the key path, e.g.
+``routing.virtual_nodes: expected an integer, got 'many' (str)``, so an operator can find the
+line to fix. The rules:
+
+- Unknown keys are errors (a typo such as ``vitrual_nodes`` must not silently keep a default).
+- Types are strict: ``true`` is not an integer and ``1`` is not a boolean; an integer is
+  accepted where a number (float) is expected; ``null`` only where the field allows None.
+- A ``replicas`` entry may be a plain URL string, shorthand for ``{url: ...}``; trailing
+  slashes of replica URLs are dropped so ``http://a:8000/`` and ``http://a:8000`` are one
+  replica, and the same replica listed twice is an error (use ``weight``).
+- Duplicate keys in one YAML mapping are errors (PyYAML would keep the last one silently).
+
+Construct the dataclasses directly only in code and tests that bypass files; direct
+construction does not validate or normalise.
+
+Exceptions::
+
+    ValueError
+     └── ConfigError   bad file, bad YAML, or a value of the wrong type or out of range
+
+Sources of the defaults are given next to each field.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+import types
+import typing
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import MISSING, dataclass, fields, is_dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+__all__ = ["POLICIES", "ConfigError", "ReplicaConfig", "RoutingConfig", "IndexConfig",
+           "HealthConfig", "ScrapeConfig", "UpstreamConfig", "LimitsConfig", "GatewayConfig",
+           "load_config", "config_from_dict"]
+
+POLICIES = ("prefix-affinity", "round-robin", "least-loaded")
+"""Routing policy names accepted in ``routing.policy``."""
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message starts with the key path or file path."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaConfig:
+    """One vLLM replica behind the gateway."""
+
+    url: str  # http(s) base URL without trailing slash, e.g. http://vllm-0:8000
+    block_size: int | None = None  # tokens per KV block; None: read from vllm:cache_config_info
+    num_gpu_blocks: int | None = None  # KV capacity in blocks; None: from vllm:cache_config_info
+    weight: int = 1  # virtual-node multiplier on the ring: 2 gets twice the share of keys
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoutingConfig:
+    """How a request's replica is chosen."""
+
+    # prefix affinity is the gateway's purpose; the other two are baselines to compare against
+    policy: str = "prefix-affinity"
+    # ring points per replica (times its weight): 160 as libketama and uhashring use, and the
+    # ~150-160 of SGLang's and vLLM's routers; keeps each replica's key share within ~10%
+    virtual_nodes: int = 160
+    # tokens per block when replicas don't report theirs; None lets the gateway apply vLLM's
+    # GPU default of 16
+    block_size: int | None = None
+    # characters per block without a tokenizer: 64 chars ~ 16 tokens of English, as llm-d uses
+    char_block_size: int = 64
+    # a block followed by at least this many different next blocks is a shared prefix (say a
+    # common system prompt) and the routing key extends past it; 4 tolerates a few variants
+    # of one conversation (edits, retries) before calling a block shared
+    branch_threshold: int = 4
+    # deepest routing key in blocks: 512 x 16 = 8K tokens, past any shared system prompt
+    max_key_blocks: int = 512
+    # queue depth + requests sent since the last scrape at or above which a replica spills to
+    # the next one on the ring; 8 waiting requests is seconds of prefill on one GPU
+    spill_queue_depth: int = 8
+    # also spill when a replica's load exceeds load_factor x mean load + 1 (bounded-load
+    # hashing; KubeAI and SGLang use 1.25, a little looser here to keep more affinity)
+    load_factor: float = 1.5
+    # request header whose value keys a session to a replica (multi-turn chats stay together)
+    session_header: str = "X-Session-ID"
+    # use the OpenAI ``user`` field as a session key when no session header is present
+    use_user_field: bool = True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IndexConfig:
+    """Bounds of the gateway's in-memory bookkeeping, so memory stays flat under any traffic."""
+
+    # LRU bound of each replica's shadow block index; None: the replica's num_gpu_blocks, as
+    # the replica cannot hold more than that either
+    max_blocks_per_replica: int | None = None
+    # LRU bound of the per-block branch statistics: ~100 B each, so ~100 MB at most
+    max_branch_blocks: int = 1_000_000
+    # conversations remembered to classify misses (cold / changed / routed); ~10 MB
+    max_conversations: int = 100_000
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HealthConfig:
+    """Active health checks against each replica's ``GET /health``."""
+
+    interval_s: float = 2.0  # seconds between probes: a dead replica is out within ~4 s
+    timeout_s: float = 1.0  # a probe slower than this counts as a failure
+    unhealthy_after: int = 2  # consecutive failures before removal: one lost probe is noise
+    healthy_after: int = 1  # consecutive successes before a replica is routed to again
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScrapeConfig:
+    """Polling of each replica's Prometheus ``/metrics``."""
+
+    # seconds between scrapes of vllm:num_requests_waiting / running and cache_config_info;
+    # 1 s matches how fast queues change at tens of requests per second
+    interval_s: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpstreamConfig:
+    """HTTP client used to forward requests to replicas."""
+
+    connect_timeout_s: float = 5.0  # TCP + TLS connect; a healthy replica answers in ms
+    # longest silence between bytes from a replica; 600 s covers a long prefill on a busy one
+    read_timeout_s: float = 600.0
+    # other ring candidates tried on connect errors or 5xx, only before anything reached the
+    # client; 2 rides out one dead and one restarting replica
+    max_retries: int = 2
+    max_connections: int = 0  # 0: unlimited, one shared pool; vLLM queues requests itself
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LimitsConfig:
+    """Limits on what clients may send."""
+
+    # request bodies above this get 413; 32 MiB fits a 128K-token prompt as JSON many times
+    max_body_bytes: int = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GatewayConfig:
+    """The whole gateway; built by ``load_config`` or ``config_from_dict``."""
+
+    host: str = "0.0.0.0"  # listen on all interfaces: the gateway usually runs in a container
+    port: int = 8080  # a common unprivileged HTTP port; 0 picks a free one (tests)
+    replicas: tuple[ReplicaConfig, ...] = ()  # may be empty at load time; the CLI decides
+    model: str | None = None  # served model name; None: the name the replicas report
+    # local folder or Hugging Face id found in the local HF cache; None: character blocks,
+    # approximate routing
+    tokenizer: str | None = None
+    log_prompts: bool = False  # prompt text stays out of logs unless an operator opts in
+    routing: RoutingConfig = RoutingConfig()  # instances are frozen, so sharing one is safe
+    index: IndexConfig = IndexConfig()
+    health: HealthConfig = HealthConfig()
+    scrape: ScrapeConfig = ScrapeConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    limits: LimitsConfig = LimitsConfig()
+
+
+# --- value checks ------------------------------------------------------------------------
+
+class _Reject(Exception):
+    """Raised by a check with the expectation, e.g. 'a value >= 1'."""
+
+
+_Check = Callable[[Any], Any]  # takes a value of the right type, returns it (maybe normalised)
+
+
+def _bounded(low: float, high: float | None = None, *, strict: bool = False) -> _Check:
+    """Range check: ``low <= value`` (``low < value`` when strict), and ``value <= high``."""
+    if high is not None:
+        expected = f"a value from {low:g} to {high:g}"
+    else:
+        expected = f"a value {'>' if strict else '>='} {low:g}"
+
+    def check(value: Any) -> Any:
+        ok = value > low if strict else value >= low  # NaN fails either way
+        if not ok or (high is not None and not value <= high):
+            raise _Reject(expected)
+        return value
+    return check
+
+
+def _one_of(*allowed: str) -> _Check:
+    def check(value: Any) -> Any:
+        if value not in allowed:
+            raise _Reject("one of " + ", ".join(repr(a) for a in allowed))
+        return value
+    return check
+
+
+def _non_empty(value: str) -> str:
+    if not value.strip():
+        raise _Reject("a non-empty string")
+    return value
+
+
+def _http_url(value: str) -> str:
+    """Return the URL without trailing slashes; reject other schemes, no host, bad port."""
+    url = value.rstrip("/")
+    expected = "an http:// or https:// URL with a host, without query or fragment"
+    if not url.startswith(("http://", "https://")):
+        raise _Reject(expected)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError:
+        raise _Reject(expected) from None
+    if not parts.hostname or parts.query or parts.fragment or any(c.isspace() for c in url):
+        raise _Reject(expected)
+    return url
+
+
+_POSITIVE = _bounded(1)
+_NON_NEGATIVE = _bounded(0)
+_TIME = _bounded(0, strict=True)  # seconds
+_CHECKS: dict[tuple[type, str], _Check] = {
+    # Applied after the type check, skipped for None.
+    (ReplicaConfig, "url"): _http_url,
+    (ReplicaConfig, "block_size"): _POSITIVE,
+    (ReplicaConfig, "num_gpu_blocks"): _POSITIVE,
+    (ReplicaConfig, "weight"): _POSITIVE,
+    (RoutingConfig, "policy"): _one_of(*POLICIES),
+    (RoutingConfig, "virtual_nodes"): _POSITIVE,
+    (RoutingConfig, "block_size"): _POSITIVE,
+    (RoutingConfig, "char_block_size"): _POSITIVE,
+    (RoutingConfig, "branch_threshold"): _bounded(2),  # 1 would make every block "shared"
+    (RoutingConfig, "max_key_blocks"): _POSITIVE,
+    (RoutingConfig, "spill_queue_depth"): _POSITIVE,
+    (RoutingConfig, "load_factor"): _bounded(1),
+    (RoutingConfig, "session_header"): _non_empty,
+    (IndexConfig, "max_blocks_per_replica"): _POSITIVE,
+    (IndexConfig, "max_branch_blocks"): _POSITIVE,
+    (IndexConfig, "max_conversations"): _POSITIVE,
+    (HealthConfig, "interval_s"): _TIME,
+    (HealthConfig, "timeout_s"): _TIME,
+    (HealthConfig, "unhealthy_after"): _POSITIVE,
+    (HealthConfig, "healthy_after"): _POSITIVE,
+    (ScrapeConfig, "interval_s"): _TIME,
+    (UpstreamConfig, "connect_timeout_s"): _TIME,
+    (UpstreamConfig, "read_timeout_s"): _TIME,
+    (UpstreamConfig, "max_retries"): _NON_NEGATIVE,
+    (UpstreamConfig, "max_connections"): _NON_NEGATIVE,
+    (LimitsConfig, "max_body_bytes"): _POSITIVE,
+    (GatewayConfig, "host"): _non_empty,
+    (GatewayConfig, "port"): _bounded(0, 65535),
+    (GatewayConfig, "model"): _non_empty,
+    (GatewayConfig, "tokenizer"): _non_empty,
+}
+
+# A plain string where this dataclass is expected stands for {field: string}.
+_SHORTHAND: dict[type, str] = {ReplicaConfig: "url"}
+
+
+# --- generic conversion ------------------------------------------------------------------
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _optional_inner(tp: Any) -> Any | None:
+    """``X`` for an annotation ``X | None``, else None."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0]
+    return None
+
+
+def _describe(tp: Any) -> str:
+    """What a value of annotation ``tp`` looks like in YAML, for error messages."""
+    inner = _optional_inner(tp)
+    if inner is not None:
+        return f"{_describe(inner)} or null"
+    if typing.get_origin(tp) is tuple:
+        return "a list"
+    if is_dataclass(tp):
+        return "a URL string or a mapping" if tp in _SHORTHAND else "a mapping"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names[tp]
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    """Check ``value`` against annotation ``tp`` and return it in the field's type.
+
+    Raises:
+        ConfigError: on a type mismatch, here or in a nested mapping or list.
+        TypeError: for an annotation this loader does not support (a programming error).
+    """
+    declared = tp
+    inner = _optional_inner(tp)
+    if inner is not None:
+        if value is None:
+            return None
+        tp = inner
+    if is_dataclass(tp):
+        if isinstance(value, str) and tp in _SHORTHAND:
+            value = {_SHORTHAND[tp]: value}
+        if isinstance(value, Mapping):
+            return _build(tp, value, path)
+    elif typing.get_origin(tp) is tuple:
+        args = typing.get_args(tp)
+        if len(args) != 2 or args[1] is not Ellipsis:
+            raise TypeError(f"unsupported config annotation {declared!r} at {path}")
+        if isinstance(value, (list, tuple)):
+            return tuple(_convert(args[0], item, f"{path}[{i}]") for i, item in enumerate(value))
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"unsupported config annotation {declared!r} at {path}")
+    raise ConfigError(f"{path}: expected {_describe(declared)}, got {_show(value)} "
+                      f"({type(value).__name__})")
+
+
+def _build(cls: type, data: Mapping[Any, Any], path: str) -> Any:
+    """Build dataclass ``cls`` from a mapping, checking keys, types and ranges."""
+    known = [f.name for f in fields(cls)]
+    for key in data:
+        if key not in known:
+            hint = difflib.get_close_matches(str(key), known, n=1)
+            suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ConfigError(f"{_join(path, str(key))}: unknown key; expected one of: "
+                              f"{', '.join(known)}{suggestion}")
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        key_path = _join(path, f.name)
+        if f.name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ConfigError(f"{key_path}: required key missing")
+            continue
+        value = _convert(_hints(cls)[f.name], data[f.name], key_path)
+        check = _CHECKS.get((cls, f.name))
+        if check is not None and value is not None:
+            try:
+                value = check(value)
+            except _Reject as exc:
+                raise ConfigError(f"{key_path}: expected {exc}, got {_show(value)}") from None
+        values[f.name] = value
+    return cls(**values)
+
+
+def _check_unique_replicas(config: GatewayConfig) -> None:
+    seen: dict[str, int] = {}
+    for i, replica in enumerate(config.replicas):
+        if replica.url in seen:
+            raise ConfigError(f"replicas[{i}].url: {replica.url!r} is already replicas"
+                              f"[{seen[replica.url]}]; use weight to give a replica more share")
+        seen[replica.url] = i
+
+
+def config_from_dict(data: Mapping[str, Any]) -> GatewayConfig:
+    """Build and validate a ``GatewayConfig`` from a nested mapping shaped like the YAML file.
+
+    Raises:
+        ConfigError: naming the key path of the first problem found.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"(top level): expected a mapping, got {_show(data)} "
+                          f"({type(data).__name__})")
+    config = _build(GatewayConfig, data, "")
+    _check_unique_replicas(config)
+    return config
+
+
+# --- files and overrides -----------------------------------------------------------------
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key repeated in one mapping instead of keeping the last."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *anchor' may override keys
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, Hashable) and key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _read_yaml(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file ({exc.strerror})") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+
+
+def _merge(base: Mapping[Any, Any], override: Mapping[Any, Any]) -> dict[Any, Any]:
+    """``base`` with ``override`` laid over it: mappings merge key by key, anything else
+    (lists included) is replaced. Neither input is modified."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: str | os.PathLike[str] | None = None, *,
+                overrides: Mapping[str, Any] | None = None) -> GatewayConfig:
+    """Read, merge and validate the gateway configuration.
+
+    ``path``: a YAML file shaped like ``configs/gateway.yaml``; None: defaults only. An empty
+    file is the same as no keys. ``overrides``: a nested mapping of the same shape laid over
+    the file (CLI flags become this); a ``None`` in it sets the value to null, so leave out
+    flags the user did not give. A ``replicas`` list in ``overrides`` replaces the file's.
+
+    Raises:
+        ConfigError: file missing or unreadable (names the path), YAML syntax error (names the
+            line), or an invalid value (names the key path, e.g. ``routing.virtual_nodes``).
+    """
+    data: Any = {}
+    if path is not None:
+        shown = os.fspath(path)
+        data = _read_yaml(shown)
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{shown}: expected a mapping at the top level, got "
+                              f"{type(data).__name__}")
+    if overrides:
+        if not isinstance(overrides, Mapping):
+            raise ConfigError(f"overrides: expected a mapping, got {type(overrides).__name__}")
+        data = _merge(data, overrides)
+    return config_from_dict(data)

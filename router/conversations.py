@@ -1,0 +1,104 @@
+"""Why did a request miss? Conversation memory and the miss classification.
+
+A conversation is identified by the client's session key or, without one, by the prompt up to
+the end of its first user message (chat), or its first block (completions). For each
+conversation the gateway remembers the previous request's block hashes and a hash per message
+(``max_conversations`` entries, LRU; each a few KB: the hashes of an 8k-token prompt in
+16-token blocks are 512 integers).
+
+``classify`` decides, once the engine reported ``cached_tokens``, in this order:
+
+- ``miss_changed``: the conversation's previous request diverged from this one inside text it
+  had already sent (not an append), and the engine's hit stopped at or before that point.
+  The client rewrote its own prefix: a timestamp in the system prompt, reordered tools,
+  history trimmed in place. Reported with the block where it diverged and the message index.
+- ``miss_routed``: another replica was believed to hold more of the prompt than the engine
+  served (the gateway sent it elsewhere: spill, fallback, no affinity).
+- ``miss_evicted``: the chosen replica was believed to hold more than it served (LRU pressure).
+- ``miss_cold``: nothing of the prompt was known anywhere.
+- ``hit``: the engine served at least the longest prefix known anywhere.
+Lost tokens are what the better outcome would have reused, in tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .blocks import BlockHash
+
+__all__ = ["CacheResult", "Conversation", "Conversations", "Verdict", "classify"]
+
+
+class CacheResult(str, enum.Enum):
+    HIT = "hit"
+    MISS_COLD = "miss_cold"
+    MISS_CHANGED = "miss_changed"
+    MISS_ROUTED = "miss_routed"
+    MISS_EVICTED = "miss_evicted"
+
+
+@dataclass(slots=True)
+class Conversation:
+    """The previous request of one conversation."""
+
+    hashes: tuple[BlockHash, ...]
+    message_hashes: tuple[int, ...]  # the tool list's hash, then one per message
+
+
+@dataclass(slots=True)
+class Verdict:
+    result: CacheResult
+    lost_tokens: int = 0
+    diverged_block: int | None = None  # first block that differs from the previous request
+    diverged_message: int | None = None  # index of the first message that differs (-1: tools)
+
+
+class Conversations:
+    """LRU map of conversation id -> previous request, at most ``max_conversations``."""
+
+    def __init__(self, max_conversations: int = 100_000) -> None:
+        self.max_conversations = max_conversations
+        self._items: OrderedDict[str, Conversation] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, conversation_id: str) -> Conversation | None:
+        return self._items.get(conversation_id)
+
+    def put(self, conversation_id: str, conversation: Conversation) -> None:
+        self._items[conversation_id] = conversation
+        self._items.move_to_end(conversation_id)
+        while len(self._items) > self.max_conversations:
+            self._items.popitem(last=False)
+
+
+def _common(a: Sequence, b: Sequence) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def classify(*, hashes: Sequence[BlockHash], message_hashes: Sequence[int], previous: Conversation | None,
+             cached_blocks: int, predicted_blocks: int, best_blocks: int, max_hit_blocks: int,
+             block_size: int) -> Verdict:
+    """Classify one request's cache outcome (see the module docstring). Counts in blocks."""
+    if previous is not None:
+        reusable = min(len(previous.hashes), max_hit_blocks)
+        shared = _common(hashes, previous.hashes)
+        if shared < reusable and cached_blocks <= shared:
+            message = _common(message_hashes, previous.message_hashes) - 1  # -1: the tools
+            return Verdict(CacheResult.MISS_CHANGED, (reusable - shared) * block_size, shared, message)
+    if best_blocks > cached_blocks and best_blocks > predicted_blocks:
+        return Verdict(CacheResult.MISS_ROUTED, (best_blocks - cached_blocks) * block_size)
+    if predicted_blocks > cached_blocks:
+        return Verdict(CacheResult.MISS_EVICTED, (predicted_blocks - cached_blocks) * block_size)
+    if cached_blocks == 0 and best_blocks == 0:
+        return Verdict(CacheResult.MISS_COLD)
+    return Verdict(CacheResult.HIT)

@@ -1,0 +1,115 @@
+"""The gateway's long-lived state, built once per process in ``app.create_app``.
+
+Holds the replicas, the ring, the policy, the branch statistics, the conversation memory, the
+metrics, the tokenizer, the shared HTTP client pool and the worker threads for tokenization.
+Shadow indexes and conversation memory are per gateway instance: several instances place the
+same request on the same replica (the ring and the key are deterministic), but each learns
+the branch points and histories only from the requests it sees.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from .config import GatewayConfig
+from .conversations import Conversations, Verdict
+from .index import BranchStats
+from .metrics import GatewayMetrics
+from .policy import make_policy
+from .prompts import PromptInfo
+from .replicas import ReplicaState
+from .ring import Ring
+from .tokenizer import PromptTokenizer
+
+__all__ = ["Gateway", "replica_name"]
+
+DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size on GPU, when no replica reports one
+MAX_CHANGE_SITES = 1000  # bound of the divergence-site counter (message index, token position)
+
+
+def replica_name(url: str) -> str:
+    """A replica's label: host:port of its URL (bounded by the configuration)."""
+    parts = urlsplit(url)
+    return parts.netloc or url
+
+
+class Gateway:
+    """Everything a request handler needs; no module globals."""
+
+    def __init__(self, config: GatewayConfig, tokenizer: PromptTokenizer | None,
+                 metrics: GatewayMetrics | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.metrics = metrics or GatewayMetrics()
+        self.ring = Ring(config.routing.virtual_nodes)
+        self.branches = BranchStats(config.routing.branch_threshold, config.index.max_branch_blocks)
+        self.policy = make_policy(config.routing, self.ring, self.branches)
+        self.conversations = Conversations(config.index.max_conversations)
+        self.replicas: dict[str, ReplicaState] = {}
+        for rc in config.replicas:
+            state = ReplicaState(rc, replica_name(rc.url), block_size=rc.block_size, num_gpu_blocks=rc.num_gpu_blocks)
+            if rc.num_gpu_blocks:
+                state.shadow.resize(config.index.max_blocks_per_replica or rc.num_gpu_blocks)
+            self.replicas[state.name] = state
+            self.ring.add(state.name, rc.weight)
+            self.metrics.healthy.labels(state.name).set(1)
+        self.change_sites: Counter[tuple[int, int]] = Counter()
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self.http: aiohttp.ClientSession | None = None
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block for hashing: configured, else the first replica's reported size."""
+        if self.config.routing.block_size:
+            return self.config.routing.block_size
+        for replica in self.replicas.values():
+            if replica.block_size:
+                return replica.block_size
+        return DEFAULT_BLOCK_SIZE
+
+    def unit_block_size(self, info: PromptInfo) -> int:
+        """Units per block for this prompt: tokens with a tokenizer, characters without."""
+        return self.block_size if info.exact else self.config.routing.char_block_size
+
+    def sync_ring(self) -> None:
+        """Healthy replicas on the ring, unhealthy ones off; export health and queue depth."""
+        for replica in self.replicas.values():
+            if replica.healthy:
+                self.ring.add(replica.name, replica.config.weight)
+            else:
+                self.ring.remove(replica.name)
+            self.metrics.healthy.labels(replica.name).set(1 if replica.healthy else 0)
+            self.metrics.queue_depth.labels(replica.name).set(replica.load)
+            if self.config.index.max_blocks_per_replica is None and replica.num_gpu_blocks:
+                if replica.shadow.capacity != replica.num_gpu_blocks:
+                    replica.shadow.resize(replica.num_gpu_blocks)
+
+    def record_change(self, verdict: Verdict, token_position: int) -> None:
+        """Count where a client changed its prefix (message index, token position); bounded."""
+        site = (verdict.diverged_message if verdict.diverged_message is not None else -2, token_position)
+        if site in self.change_sites or len(self.change_sites) < MAX_CHANGE_SITES:
+            self.change_sites[site] += 1
+
+    def describe(self) -> dict:
+        """The ``/replicas`` view."""
+        shares = self.ring.shares()
+        return {
+            "policy": self.config.routing.policy,
+            "block_size": self.block_size,
+            "routing": "exact token blocks" if self.tokenizer is not None else
+                       f"approximate: {self.config.routing.char_block_size}-character blocks (no tokenizer configured)",
+            "replicas": [{
+                "name": r.name, "url": r.url, "healthy": r.healthy, "queue_depth": r.load,
+                "waiting": r.waiting, "running": r.running, "inflight": r.inflight,
+                "block_size": r.block_size, "num_gpu_blocks": r.num_gpu_blocks,
+                "capacity_tokens": (r.num_gpu_blocks - 1) * r.block_size if r.num_gpu_blocks and r.block_size else None,
+                "ring_share": round(shares.get(r.name, 0.0), 4), "shadow_blocks": len(r.shadow),
+                "models": r.models,
+            } for r in self.replicas.values()],
+            "branch_blocks": len(self.branches),
+            "conversations": len(self.conversations),
+        }

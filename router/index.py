@@ -1,0 +1,113 @@
+"""What the gateway believes about prefixes: per-replica shadow indexes and branch statistics.
+
+``ShadowIndex``: the block chains one replica is believed to hold. An LRU set of block hashes
+bounded by the replica's KV capacity (``num_gpu_blocks``), so its memory is at most
+``capacity`` entries (about 100 bytes each in CPython: 28,000 blocks, the default H100 replica,
+is under 3 MB). Blocks are added when a request is routed (vLLM makes them hittable as soon as
+they are scheduled) and touched when they hit; LRU approximates vLLM's "least recently freed
+first" eviction. The engine's reported ``cached_tokens`` corrects it after each request.
+
+``BranchStats``: for each block, up to ``threshold`` distinct next blocks seen after it. A
+block followed by many different continuations ends a prefix shared by many conversations
+(a common system prompt or tool list); the routing key must reach past it, to the first block
+specific to the conversation, or every conversation sharing that prefix lands on one replica
+(the failure the field notes report for peer routers). Bounded by an LRU of ``max_blocks``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from .blocks import BlockHash
+
+__all__ = ["ShadowIndex", "BranchStats"]
+
+
+class ShadowIndex:
+    """LRU set of the block hashes one replica is believed to hold, at most ``capacity``."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._blocks: OrderedDict[BlockHash, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks of ``hashes`` believed cached (chained hashes: stop at the first miss)."""
+        blocks = self._blocks
+        n = 0
+        for h in hashes:
+            if h not in blocks:
+                break
+            n += 1
+        return n
+
+    def insert(self, hashes: Sequence[BlockHash]) -> None:
+        """Record ``hashes`` as cached and most recently used; evict the oldest beyond capacity."""
+        blocks = self._blocks
+        for h in hashes:
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
+
+    def forget(self, hashes: Sequence[BlockHash]) -> None:
+        """Drop blocks the engine showed it no longer holds."""
+        for h in hashes:
+            self._blocks.pop(h, None)
+
+    def resize(self, capacity: int) -> None:
+        """Adopt a capacity learned from the replica's metrics."""
+        self.capacity = max(capacity, 1)
+        self.insert(())
+
+    def clear(self) -> None:
+        """The replica restarted or its cache was reset."""
+        self._blocks.clear()
+
+
+class BranchStats:
+    """Distinct next blocks seen after each block, capped at ``threshold``, LRU-bounded."""
+
+    def __init__(self, threshold: int = 4, max_blocks: int = 1_000_000) -> None:
+        self.threshold = threshold
+        self.max_blocks = max_blocks
+        self._next: OrderedDict[BlockHash, set[BlockHash]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+    def record(self, hashes: Sequence[BlockHash], depth: int) -> None:
+        """Note the successors of the first ``depth`` blocks of one request."""
+        table = self._next
+        limit = self.threshold
+        for i in range(min(depth, len(hashes) - 1)):
+            successors = table.get(hashes[i])
+            if successors is None:
+                table[hashes[i]] = {hashes[i + 1]}
+            else:
+                table.move_to_end(hashes[i])
+                if len(successors) < limit:
+                    successors.add(hashes[i + 1])
+        while len(table) > self.max_blocks:
+            table.popitem(last=False)
+
+    def key_depth(self, hashes: Sequence[BlockHash], max_depth: int) -> int:
+        """Blocks the routing key should cover: through the first block after the deepest
+        shared (branching) block within ``max_depth``; 1 when no branching block is known.
+        May exceed ``len(hashes)`` when the prompt ends inside the shared prefix.
+        """
+        table = self._next
+        limit = self.threshold
+        depth = 1
+        for i in range(min(max_depth, len(hashes))):
+            successors = table.get(hashes[i])
+            if successors is not None and len(successors) >= limit:
+                depth = i + 2
+        return depth

@@ -1,0 +1,66 @@
+"""Every metric the gateway exports, in one place, against a registry tests can replace.
+
+Names are the gateway's own (``prefix_router_*``), never the engine's ``vllm:*``. Label values
+are bounded: replica names come from the configuration, and ``route``, ``result``, ``cause`` and
+``code`` from fixed sets; no prompt text ever becomes a label.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["GatewayMetrics", "METRIC_NAMES"]
+
+# Seconds; TTFT and request buckets follow vLLM's so the two sides line up on a dashboard.
+ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class GatewayMetrics:
+    """The gateway's Prometheus metrics (``registry``: a fresh one unless given)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter("prefix_router_requests", "Requests proxied, by replica, route and HTTP status.",
+                                ("replica", "route", "code"), registry=r)
+        self.cache_requests = Counter("prefix_router_cache_requests",
+                                      "Requests by cache outcome: hit, miss_cold, miss_changed, miss_routed, miss_evicted.",
+                                      ("replica", "result"), registry=r)
+        self.prompt_tokens = Counter("prefix_router_prompt_tokens", "Prompt tokens sent, by replica.",
+                                     ("replica",), registry=r)
+        self.cached_predicted = Counter("prefix_router_cached_tokens_predicted",
+                                        "Prompt tokens the gateway predicted the replica had cached.",
+                                        ("replica",), registry=r)
+        self.cached = Counter("prefix_router_cached_tokens", "Cached prompt tokens the engine reported.",
+                              ("replica",), registry=r)
+        self.lost_tokens = Counter("prefix_router_lost_tokens",
+                                   "Prompt tokens recomputed that could have been reused, by cause.",
+                                   ("replica", "cause"), registry=r)
+        self.spillovers = Counter("prefix_router_spillovers", "Requests moved off their ring replica by load.",
+                                  ("from_replica", "to_replica"), registry=r)
+        self.queue_depth = Gauge("prefix_router_replica_queue_depth",
+                                 "Replica queue depth: vllm:num_requests_waiting at the last scrape plus requests sent since.",
+                                 ("replica",), registry=r)
+        self.inflight = Gauge("prefix_router_replica_inflight", "Requests this gateway has in flight on a replica.",
+                              ("replica",), registry=r)
+        self.healthy = Gauge("prefix_router_replica_healthy", "1 when the replica passes health checks.",
+                             ("replica",), registry=r)
+        self.routing_seconds = Histogram("prefix_router_routing_seconds",
+                                         "Time to choose a replica (tokenization excluded).",
+                                         buckets=ROUTING_BUCKETS, registry=r)
+        self.ttft = Histogram("prefix_router_ttft_seconds", "Time to first token seen by the gateway.",
+                              ("replica",), buckets=TTFT_BUCKETS, registry=r)
+        self.request_seconds = Histogram("prefix_router_request_seconds", "Request duration seen by the gateway.",
+                                         ("replica",), buckets=REQUEST_BUCKETS, registry=r)
+
+
+METRIC_NAMES = (
+    "prefix_router_requests_total", "prefix_router_cache_requests_total", "prefix_router_prompt_tokens_total",
+    "prefix_router_cached_tokens_predicted_total", "prefix_router_cached_tokens_total",
+    "prefix_router_lost_tokens_total", "prefix_router_spillovers_total", "prefix_router_replica_queue_depth",
+    "prefix_router_replica_inflight", "prefix_router_replica_healthy", "prefix_router_routing_seconds",
+    "prefix_router_ttft_seconds", "prefix_router_request_seconds",
+)

@@ -1,0 +1,160 @@
+"""Routing policies: pure, synchronous choices of a replica for one request.
+
+``PrefixAffinityPolicy.select`` in order:
+
+1. Routing key: an explicit session key when the client sent one; otherwise the request's
+   block chain up to ``BranchStats.key_depth`` blocks (past prefixes shared by many
+   conversations, through the first block specific to this one). The key's owner on the ring
+   is the affinity replica; the rest of the ring, in order, are the spill candidates.
+2. History: if a replica already holds more of this prompt than the key covers (its shadow
+   index matches at least ``key_depth`` blocks) and is not overloaded, it wins (``sticky``):
+   a session that spilled keeps its history where it went.
+3. Load: a replica is overloaded when its load (queue depth at the last scrape plus requests
+   sent since) is at or above ``spill_queue_depth``, or above ``load_factor`` x mean load + 1.
+   Walk the ring from the owner to the first replica that is not (``affinity`` when that is the
+   owner, ``spill`` otherwise); when all are, take the least loaded (``fallback``).
+
+The policy does no I/O and records nothing: it returns a ``Decision``; the proxy acts on it and
+counts it. ``RoundRobinPolicy`` and ``LeastLoadedPolicy`` are the baselines to compare with.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .blocks import BlockHash
+from .config import RoutingConfig
+from .index import BranchStats, ShadowIndex
+from .ring import Ring
+
+__all__ = ["Route", "ReplicaView", "Decision", "PrefixAffinityPolicy", "RoundRobinPolicy",
+           "LeastLoadedPolicy", "make_policy"]
+
+
+class Route(str, enum.Enum):
+    """Which branch chose the replica (the ``route`` label of ``prefix_router_requests_total``)."""
+
+    AFFINITY = "affinity"  # the ring's owner of the routing key
+    SPILL = "spill"  # a later ring replica: the owner was overloaded
+    STICKY = "sticky"  # the replica already holding this prompt's history
+    FALLBACK = "fallback"  # everything overloaded (least loaded), or a baseline policy
+
+
+@dataclass(slots=True)
+class ReplicaView:
+    """What a policy may know of one routable (healthy) replica."""
+
+    name: str
+    load: int  # queue depth at the last scrape + requests sent since
+    shadow: ShadowIndex
+
+
+@dataclass(slots=True)
+class Decision:
+    """A routing choice. Block counts are in the gateway's block size."""
+
+    replica: str
+    route: Route
+    candidates: list[str]  # replica first, then the ring order for retries
+    predicted_blocks: int = 0  # blocks the chosen replica is believed to hold
+    best_blocks: int = 0  # most blocks any replica is believed to hold
+    best_replica: str | None = None
+    key_depth: int = 0
+    spilled_from: str | None = None  # the ring owner, when the route is spill
+    matches: dict[str, int] = field(default_factory=dict)
+
+
+def _overloaded(load: int, mean: float, config: RoutingConfig) -> bool:
+    return load >= config.spill_queue_depth or load > config.load_factor * mean + 1
+
+
+class PrefixAffinityPolicy:
+    """Consistent hashing on the prefix key, bounded by load, with sticky history."""
+
+    def __init__(self, config: RoutingConfig, ring: Ring, branches: BranchStats) -> None:
+        self.config = config
+        self.ring = ring
+        self.branches = branches
+
+    def select(self, hashes: Sequence[BlockHash], full_hash: int, replicas: Mapping[str, ReplicaView],
+               session_key: str | None = None, max_hit_blocks: int | None = None) -> Decision:
+        """Choose among ``replicas`` (healthy ones) for a prompt with these block hashes.
+
+        ``full_hash``: a hash of the whole prompt, partial last block included (the key when the
+        prompt ends inside a shared prefix). ``max_hit_blocks``: the engine never hits the last
+        token, so at most ``(num_tokens - 1) // block_size`` blocks. Raises LookupError when
+        ``replicas`` is empty.
+        """
+        if not replicas:
+            raise LookupError("no healthy replica")
+        cfg = self.config
+        cap = len(hashes) if max_hit_blocks is None else max_hit_blocks
+        depth = self.branches.key_depth(hashes, cfg.max_key_blocks)
+        if session_key is not None:
+            key = "s:" + session_key
+        elif depth <= len(hashes):
+            key = f"b:{hashes[depth - 1]:016x}"
+        else:
+            key = f"p:{full_hash:016x}"
+        order = [n for n in self.ring.candidates(key) if n in replicas] or sorted(replicas)
+        matches = {n: min(v.shadow.match(hashes), cap) for n, v in replicas.items()}
+        mean = sum(v.load for v in replicas.values()) / len(replicas)
+        fits = {n for n, v in replicas.items() if not _overloaded(v.load, mean, cfg)}
+        best = max(order, key=lambda n: matches[n])  # ties: earliest in ring order
+        owner = order[0]
+        if best in fits and matches[best] >= depth and matches[best] > matches[owner]:
+            replica, route = best, Route.STICKY
+        else:
+            replica = next((n for n in order if n in fits), None)
+            if replica is None:
+                replica, route = min(order, key=lambda n: replicas[n].load), Route.FALLBACK
+            else:
+                route = Route.AFFINITY if replica == owner else Route.SPILL
+        return Decision(replica, route, [replica] + [n for n in order if n != replica],
+                        predicted_blocks=matches[replica], best_blocks=matches[best], best_replica=best,
+                        key_depth=depth, spilled_from=owner if route is Route.SPILL else None, matches=matches)
+
+
+class RoundRobinPolicy:
+    """Baseline: each request to the next replica in turn, ignoring prefixes and load."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def select(self, hashes, full_hash, replicas, session_key=None, max_hit_blocks=None) -> Decision:
+        if not replicas:
+            raise LookupError("no healthy replica")
+        names = sorted(replicas)
+        start = next(self._counter) % len(names)
+        order = names[start:] + names[:start]
+        return _baseline(order, hashes, replicas, max_hit_blocks)
+
+
+class LeastLoadedPolicy:
+    """Baseline: the replica with the lowest load, ignoring prefixes."""
+
+    def select(self, hashes, full_hash, replicas, session_key=None, max_hit_blocks=None) -> Decision:
+        if not replicas:
+            raise LookupError("no healthy replica")
+        order = sorted(replicas, key=lambda n: (replicas[n].load, n))
+        return _baseline(order, hashes, replicas, max_hit_blocks)
+
+
+def _baseline(order: list[str], hashes, replicas, max_hit_blocks) -> Decision:
+    cap = len(hashes) if max_hit_blocks is None else max_hit_blocks
+    matches = {n: min(v.shadow.match(hashes), cap) for n, v in replicas.items()}
+    best = max(order, key=lambda n: matches[n])
+    return Decision(order[0], Route.FALLBACK, order, predicted_blocks=matches[order[0]],
+                    best_blocks=matches[best], best_replica=best, matches=matches)
+
+
+def make_policy(config: RoutingConfig, ring: Ring, branches: BranchStats):
+    """The policy the configuration names."""
+    if config.policy == "round-robin":
+        return RoundRobinPolicy()
+    if config.policy == "least-loaded":
+        return LeastLoadedPolicy()
+    return PrefixAffinityPolicy(config, ring, branches)

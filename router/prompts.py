@@ -1,0 +1,102 @@
+"""From an OpenAI request body to what routing needs: token blocks, keys and message hashes.
+
+Token ids are the engine's when a tokenizer is configured (``router/tokenizer.py`` renders
+chat exactly as vLLM does; token-id completion prompts are used as they are). Without one,
+text is cut into blocks of ``char_block_size`` characters: routing still follows shared
+prefixes, but predicted token counts are approximate (``/replicas`` says so).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import xxhash
+
+from .blocks import BlockHash, block_hashes, seed_hash
+from .tokenizer import ChatFormatError, PromptTokenizer
+
+__all__ = ["PromptInfo", "analyze"]
+
+
+@dataclass(slots=True)
+class PromptInfo:
+    """A request's prompt as the router sees it."""
+
+    hashes: list[BlockHash]  # chained hashes of the full blocks
+    full_hash: int  # the whole prompt, partial last block included
+    num_units: int  # tokens (or characters without a tokenizer)
+    exact: bool  # True when units are the engine's tokens
+    message_hashes: tuple[int, ...]  # tools, then each message (chat); () for completions
+    conversation: str  # conversation id (session key, first user message, or first block)
+
+
+def _digest(value) -> int:
+    return xxhash.xxh3_64_intdigest(json.dumps(value, separators=(",", ":"), default=str).encode("utf-8", "surrogatepass"))
+
+
+def _chat_text(body: dict) -> str:
+    """A canonical text of a chat request for character blocks (tools first, as templates do)."""
+    parts = [json.dumps(body.get("tools"), separators=(",", ":"))] if body.get("tools") else []
+    for m in body.get("messages") or []:
+        if isinstance(m, dict):
+            content = m.get("content")
+            parts.append(f"<{m.get('role')}>{content if isinstance(content, str) else json.dumps(content)}")
+            if m.get("tool_calls"):
+                parts.append(json.dumps(m["tool_calls"], separators=(",", ":")))
+    return "\n".join(parts)
+
+
+def analyze(body: dict, chat: bool, tokenizer: PromptTokenizer | None, block_size: int,
+            char_block_size: int, session_key: str | None) -> PromptInfo:
+    """Token (or character) blocks, hashes and conversation id of one request body.
+
+    Never raises on odd input: what cannot be tokenized is routed by its characters.
+    """
+    model = str(body.get("model") or "")
+    salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+    seed = seed_hash(model, salt)
+    tokens: list[int] | None = None
+    if chat:
+        messages = body.get("messages")
+        if tokenizer is not None:
+            try:
+                tokens = tokenizer.render_chat(
+                    messages, tools=body.get("tools"),
+                    add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+                    continue_final_message=body.get("continue_final_message") is True,
+                    chat_template_kwargs=body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else None)
+            except (ChatFormatError, TypeError, ValueError):
+                tokens = None
+        messages = messages if isinstance(messages, list) else []
+        message_hashes = (_digest(body.get("tools")), *(_digest(m) for m in messages))
+        first_user = next((m for m in messages if isinstance(m, dict) and m.get("role") == "user"), None)
+        conversation = session_key or f"u:{_digest([model, salt, first_user])}"
+        text = None if tokens is not None else _chat_text(body)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        message_hashes = ()
+        conversation = session_key or ""
+        text = None
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 63 for t in prompt):
+            tokens = prompt
+        elif isinstance(prompt, str) and tokenizer is not None:
+            tokens = tokenizer.encode(prompt)
+        else:
+            text = prompt if isinstance(prompt, str) else json.dumps(prompt, default=str)
+    if tokens is not None:
+        hashes = block_hashes(tokens, block_size, seed)
+        full = xxhash.xxh3_64_intdigest(b"".join(t.to_bytes(8, "little", signed=True) for t in tokens[len(hashes) * block_size:]),
+                                        hashes[-1] if hashes else seed)
+        units, exact = len(tokens), True
+    else:
+        codes = [ord(c) for c in text]
+        hashes = block_hashes(codes, char_block_size, seed)
+        full = xxhash.xxh3_64_intdigest(text[len(hashes) * char_block_size:].encode("utf-8", "surrogatepass"),
+                                        hashes[-1] if hashes else seed)
+        units, exact = len(codes), False
+    if not conversation:
+        conversation = f"b:{hashes[0] if hashes else full:016x}"
+    return PromptInfo(hashes, full, units, exact, message_hashes, conversation)

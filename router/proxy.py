@@ -1,0 +1,222 @@
+"""The OpenAI-compatible proxy: route, forward, stream back, then learn from the engine's usage.
+
+Per request (``handle_generate``):
+
+1. Read and check the body (413 above ``limits.max_body_bytes``, OpenAI-style 400 for bad JSON).
+2. ``prompts.analyze`` in a worker thread (tokenization and chat templates never block the
+   event loop), then ``policy.select`` on the healthy replicas.
+3. Forward to the chosen replica with the client's headers (Authorization included). Streaming
+   requests get ``stream_options.include_usage`` so the engine reports ``cached_tokens``; when
+   the client did not ask for it, that usage chunk is dropped on the way back. Connect errors
+   and 5xx answers go to the next ring candidate while nothing has reached the client.
+4. Stream SSE back line by line as it arrives, with ``x-prefix-router-replica`` naming the
+   replica. Then classify the cache outcome, update the shadow index, branch statistics and
+   conversation memory, and count everything in ``GatewayMetrics``.
+
+In-flight slots are released in ``finally``, so errors and client disconnects free them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from .conversations import CacheResult, Conversation, classify
+from .gateway import Gateway
+from .policy import Decision, ReplicaView, Route
+from .prompts import PromptInfo, analyze
+
+__all__ = ["handle_generate", "openai_error", "REPLICA_HEADER"]
+
+log = logging.getLogger(__name__)
+
+REPLICA_HEADER = "x-prefix-router-replica"
+_HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
+               "proxy-authorization", "proxy-connection", "te", "trailer", "accept-encoding"}
+
+
+def openai_error(status: int, message: str, param: str | None = None, type_: str | None = None) -> web.Response:
+    """An OpenAI-style error response."""
+    kind = type_ or {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
+                     503: "ServiceUnavailableError", 502: "BadGatewayError"}.get(status, "Error")
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                             status=status)
+
+
+async def _read_body(request: web.Request, limit: int) -> dict | web.Response:
+    if request.content_length is not None and request.content_length > limit:
+        return openai_error(413, f"request body of {request.content_length} bytes exceeds the limit of {limit}")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return openai_error(413, f"request body exceeds the limit of {limit} bytes")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        return openai_error(400, f"JSON decode error: {str(exc)[:200]}", "body")
+    if not isinstance(body, dict):
+        return openai_error(400, "request body must be a JSON object", "body")
+    return body
+
+
+def _session_key(request: web.Request, body: dict, gw: Gateway) -> str | None:
+    key = request.headers.get(gw.config.routing.session_header)
+    if key:
+        return key[:256]
+    user = body.get("user")
+    if gw.config.routing.use_user_field and isinstance(user, str) and user:
+        return "user:" + user[:256]
+    return None
+
+
+def _forward_headers(request: web.Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+
+
+async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bool) -> web.StreamResponse:
+    """``POST /v1/completions`` and ``/v1/chat/completions``."""
+    body = await _read_body(request, gw.config.limits.max_body_bytes)
+    if isinstance(body, web.Response):
+        return body
+    session = _session_key(request, body, gw)
+    loop = asyncio.get_running_loop()
+    info: PromptInfo = await loop.run_in_executor(
+        gw.executor, analyze, body, chat, gw.tokenizer, gw.block_size, gw.config.routing.char_block_size, session)
+    healthy = {r.name: ReplicaView(r.name, r.load, r.shadow) for r in gw.replicas.values() if r.healthy}
+    if not healthy:
+        return openai_error(503, "no healthy replica", type_="ServiceUnavailableError")
+    started = time.perf_counter()
+    max_hit = max((info.num_units - 1) // gw.unit_block_size(info), 0)
+    decision = gw.policy.select(info.hashes, info.full_hash, healthy, session, max_hit)
+    gw.metrics.routing_seconds.observe(time.perf_counter() - started)
+    gw.branches.record(info.hashes, gw.config.routing.max_key_blocks)
+    stream = body.get("stream") is True
+    client_wants_usage = False
+    if stream:
+        options = body.get("stream_options")
+        client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+        body = {**body, "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True}}
+    payload = json.dumps(body).encode()
+    headers = _forward_headers(request)
+    headers["Content-Type"] = "application/json"
+    attempts = decision.candidates[: gw.config.upstream.max_retries + 1]
+    last_error = "no replica answered"
+    for name in attempts:
+        replica = gw.replicas[name]
+        replica.sent_since_scrape += 1
+        epoch = replica.scrape_epoch
+        replica.inflight += 1
+        gw.metrics.inflight.labels(name).set(replica.inflight)
+        if name != decision.replica:
+            decision = _retarget(decision, name)
+        replica.shadow.insert(info.hashes)  # vLLM makes blocks hittable once scheduled
+        t0 = time.perf_counter()
+        try:
+            async with gw.http.post(replica.url + path, data=payload, headers=headers) as upstream:
+                if upstream.status >= 500:
+                    last_error = f"replica {name} answered {upstream.status}"
+                    gw.metrics.requests.labels(name, decision.route.value, str(upstream.status)).inc()
+                    continue
+                return await _relay(request, gw, upstream, name, decision, info, stream, client_wants_usage, t0)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            last_error = f"replica {name}: {type(exc).__name__}"
+            gw.metrics.requests.labels(name, decision.route.value, "0").inc()
+            log.warning("upstream %s failed (%s); trying the next replica", name, type(exc).__name__)
+        finally:
+            if replica.scrape_epoch == epoch:
+                replica.sent_since_scrape = max(replica.sent_since_scrape - 1, 0)
+            replica.inflight -= 1
+            gw.metrics.inflight.labels(name).set(replica.inflight)
+    return openai_error(502, last_error, type_="BadGatewayError")
+
+
+def _retarget(decision: Decision, name: str) -> Decision:
+    return Decision(name, Route.FALLBACK, decision.candidates, predicted_blocks=decision.matches.get(name, 0),
+                    best_blocks=decision.best_blocks, best_replica=decision.best_replica,
+                    key_depth=decision.key_depth, matches=decision.matches)
+
+
+async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: str, decision: Decision,
+                 info: PromptInfo, stream: bool, client_wants_usage: bool, t0: float) -> web.StreamResponse:
+    usage = None
+    ttft = None
+    status = upstream.status
+    headers = {REPLICA_HEADER: name, "Content-Type": upstream.headers.get("Content-Type", "application/json")}
+    if not stream or upstream.status != 200:
+        data = await upstream.read()
+        if upstream.status == 200:
+            try:
+                usage = json.loads(data).get("usage")
+            except (ValueError, AttributeError):
+                usage = None
+            ttft = time.perf_counter() - t0
+        response = web.Response(body=data, status=upstream.status, headers=headers)
+    else:
+        response = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        skip_blank = False
+        try:
+            async for line in upstream.content:
+                if skip_blank and line in (b"\n", b"\r\n"):
+                    skip_blank = False
+                    continue
+                if line.startswith(b"data: {") and b'"usage":{' in line and b'"choices":[]' in line:
+                    try:
+                        usage = json.loads(line[6:]).get("usage")
+                    except ValueError:
+                        pass
+                    if not client_wants_usage:
+                        skip_blank = True
+                        continue
+                elif ttft is None and line.startswith(b"data: {"):
+                    ttft = time.perf_counter() - t0
+                await response.write(line)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            # Bytes already reached the client: no retry; end the stream with an error event.
+            log.warning("stream from %s ended early: %s", name, type(exc).__name__)
+            error = {"error": {"message": f"replica {name} stopped streaming ({type(exc).__name__})",
+                               "type": "BadGatewayError", "param": None, "code": 502}}
+            await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+            status = 502
+        await response.write_eof()
+    _account(gw, name, decision, info, status, usage, ttft, time.perf_counter() - t0)
+    return response
+
+
+def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, status: int, usage: dict | None,
+             ttft: float | None, elapsed: float) -> None:
+    m = gw.metrics
+    m.requests.labels(name, decision.route.value, str(status)).inc()
+    if decision.route is Route.SPILL and decision.spilled_from:
+        m.spillovers.labels(decision.spilled_from, name).inc()
+    if ttft is not None:
+        m.ttft.labels(name).observe(ttft)
+    m.request_seconds.labels(name).observe(elapsed)
+    if status != 200 or not usage:
+        return
+    prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    unit = gw.unit_block_size(info)
+    scale = (info.num_units / prompt_tokens) if (not info.exact and prompt_tokens) else 1.0
+    cached_blocks = int(cached_tokens * scale) // unit
+    to_tokens = unit / scale if scale else unit
+    m.prompt_tokens.labels(name).inc(prompt_tokens)
+    m.cached.labels(name).inc(cached_tokens)
+    m.cached_predicted.labels(name).inc(min(int(decision.predicted_blocks * to_tokens), prompt_tokens))
+    previous = gw.conversations.get(info.conversation)
+    verdict = classify(hashes=info.hashes, message_hashes=info.message_hashes, previous=previous,
+                       cached_blocks=cached_blocks, predicted_blocks=decision.predicted_blocks,
+                       best_blocks=decision.best_blocks, max_hit_blocks=max((info.num_units - 1) // unit, 0),
+                       block_size=1)
+    m.cache_requests.labels(name, verdict.result.value).inc()
+    if verdict.lost_tokens:
+        cause = verdict.result.value.removeprefix("miss_")
+        m.lost_tokens.labels(name, cause).inc(int(verdict.lost_tokens * to_tokens))
+    if verdict.result is CacheResult.MISS_CHANGED:
+        gw.record_change(verdict, int(verdict.diverged_block * to_tokens))
+    gw.conversations.put(info.conversation, Conversation(tuple(info.hashes), info.message_hashes))

@@ -1,0 +1,154 @@
+"""The gateway's view of each vLLM replica: health, load, cache shape, and the pollers keeping it.
+
+Health: ``GET /health`` every ``health.interval_s``; ``unhealthy_after`` consecutive failures
+take a replica off the ring, ``healthy_after`` successes bring it back. A replica that comes
+back, or whose ``vllm:prefix_cache_queries_total`` went down, restarted with an empty cache: its
+shadow index is cleared, so its misses are not blamed on clients.
+
+Load: ``GET /metrics`` every ``scrape.interval_s`` reads ``vllm:num_requests_waiting`` and
+``vllm:num_requests_running``; between scrapes each request sent counts at once
+(``sent_since_scrape``, until it finishes or the next scrape sees it), so a burst is seen at
+once and finished requests do not linger as load. ``vllm:cache_config_info``
+gives ``block_size`` and ``num_gpu_blocks`` (the shadow index's capacity).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from .config import HealthConfig, ReplicaConfig
+from .index import ShadowIndex
+
+__all__ = ["ReplicaState", "parse_engine_metrics", "poll_health", "poll_metrics"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CAPACITY_BLOCKS = 28_000  # router/sim/config.py: an H100 80 GB serving an 8B model
+_SAMPLE = re.compile(r'^(vllm:[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|\+Inf)$')
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    """One replica as the gateway sees it."""
+
+    config: ReplicaConfig
+    name: str
+    healthy: bool = True  # optimistic until checks say otherwise, so a fresh gateway can serve
+    waiting: int = 0  # vllm:num_requests_waiting at the last scrape
+    running: int = 0
+    sent_since_scrape: int = 0  # requests sent since the last scrape and still in flight
+    scrape_epoch: int = 0  # counts scrapes, so a finishing request knows if it was counted
+    inflight: int = 0  # this gateway's requests on the replica now
+    block_size: int | None = None  # from cache_config_info or the configuration
+    num_gpu_blocks: int | None = None
+    models: list[str] = field(default_factory=list)
+    queries_total: float = 0.0  # last vllm:prefix_cache_queries_total, to spot restarts
+    failures: int = 0
+    successes: int = 0
+    shadow: ShadowIndex = field(default_factory=lambda: ShadowIndex(DEFAULT_CAPACITY_BLOCKS))
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    @property
+    def load(self) -> int:
+        """Queue depth at the last scrape plus requests sent since: what the policy compares."""
+        return self.waiting + self.sent_since_scrape
+
+    def reset_cache_view(self, reason: str) -> None:
+        if len(self.shadow):
+            log.info("replica %s: %s; clearing its shadow index", self.name, reason)
+        self.shadow.clear()
+
+
+def parse_engine_metrics(text: str) -> dict:
+    """The few vLLM metrics the gateway reads, summed over label sets; cache_config labels."""
+    out: dict = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.groups()
+        if name == "vllm:cache_config_info":
+            out["cache_config"] = dict(_LABEL.findall(labels or ""))
+        elif name in ("vllm:num_requests_waiting", "vllm:num_requests_running",
+                      "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+async def _check_once(http: aiohttp.ClientSession, replica: ReplicaState, timeout_s: float) -> bool:
+    try:
+        async with http.get(replica.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False
+
+
+def apply_health(replica: ReplicaState, ok: bool, config: HealthConfig) -> None:
+    """Count a check result and flip ``healthy`` at the configured thresholds."""
+    if ok:
+        replica.failures, replica.successes = 0, replica.successes + 1
+        if not replica.healthy and replica.successes >= config.healthy_after:
+            replica.healthy = True
+            replica.reset_cache_view("back after failing health checks (assumed restarted)")
+    else:
+        replica.successes, replica.failures = 0, replica.failures + 1
+        if replica.healthy and replica.failures >= config.unhealthy_after:
+            replica.healthy = False
+            log.warning("replica %s failed %d health checks; off the ring", replica.name, replica.failures)
+
+
+async def poll_health(http: aiohttp.ClientSession, replicas: list[ReplicaState], config: HealthConfig) -> None:
+    """Check every replica's /health forever."""
+    while True:
+        results = await asyncio.gather(*(_check_once(http, r, config.timeout_s) for r in replicas))
+        for replica, ok in zip(replicas, results):
+            apply_health(replica, ok, config)
+        await asyncio.sleep(config.interval_s)
+
+
+async def scrape_once(http: aiohttp.ClientSession, replica: ReplicaState, timeout_s: float) -> bool:
+    """Read one replica's /metrics and /v1/models into its state; False when it did not answer."""
+    try:
+        async with http.get(replica.url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                return False
+            text = await resp.text()
+        if not replica.models:
+            async with http.get(replica.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                if resp.status == 200:
+                    replica.models = [m["id"] for m in (await resp.json()).get("data", [])]
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError):
+        return False
+    metrics = parse_engine_metrics(text)
+    replica.waiting = int(metrics.get("vllm:num_requests_waiting", 0))
+    replica.running = int(metrics.get("vllm:num_requests_running", 0))
+    replica.sent_since_scrape = 0
+    replica.scrape_epoch += 1
+    queries = metrics.get("vllm:prefix_cache_queries_total", 0.0)
+    if queries < replica.queries_total:
+        replica.reset_cache_view("prefix cache counters went back (restarted)")
+    replica.queries_total = queries
+    cache = metrics.get("cache_config", {})
+    if replica.config.block_size is None and cache.get("block_size", "").isdigit():
+        replica.block_size = int(cache["block_size"])
+    if replica.config.num_gpu_blocks is None and cache.get("num_gpu_blocks", "").isdigit():
+        replica.num_gpu_blocks = int(cache["num_gpu_blocks"])
+    if replica.num_gpu_blocks and replica.shadow.capacity != replica.num_gpu_blocks:
+        replica.shadow.resize(replica.num_gpu_blocks)
+    return True
+
+
+async def poll_metrics(http: aiohttp.ClientSession, replicas: list[ReplicaState], interval_s: float) -> None:
+    """Scrape every replica's /metrics forever."""
+    while True:
+        await asyncio.gather(*(scrape_once(http, r, max(interval_s, 1.0)) for r in replicas))
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,74 @@
+"""Consistent-hash ring of replicas: where a routing key lands, and where it goes next.
+
+A thin, pure wrapper over ``uhashring`` (md5 points, so every gateway instance in every process
+builds the same ring from the same replica names and places a key identically). Each replica
+gets ``virtual_nodes x weight`` points; a key belongs to the first point clockwise from its
+hash. Adding or removing a replica moves only the keys of the arcs it gains or loses. The ring
+knows nothing of health or load: the policy walks ``candidates`` and skips what it must.
+"""
+
+from __future__ import annotations
+
+from uhashring import HashRing
+
+__all__ = ["Ring"]
+
+_SPACE = 1 << 128  # uhashring's md5 positions
+
+
+class Ring:
+    """Replica names on a consistent-hash ring.
+
+    Args:
+        virtual_nodes: points per unit of weight (SGLang's and vLLM's routers use ~150-160).
+    """
+
+    def __init__(self, virtual_nodes: int = 160) -> None:
+        if virtual_nodes < 1:
+            raise ValueError(f"virtual_nodes must be positive, got {virtual_nodes}")
+        self.virtual_nodes = virtual_nodes
+        self._ring = HashRing(nodes={})
+        self._weights: dict[str, int] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._weights
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted(self._weights)
+
+    def add(self, name: str, weight: int = 1) -> None:
+        """Put a replica on the ring (no-op when already there with that weight)."""
+        if self._weights.get(name) == weight:
+            return
+        if name in self._weights:
+            self._ring.remove_node(name)
+        self._ring.add_node(name, {"weight": weight, "vnodes": self.virtual_nodes * weight})
+        self._weights[name] = weight
+
+    def remove(self, name: str) -> None:
+        """Take a replica off the ring (no-op when absent)."""
+        if self._weights.pop(name, None) is not None:
+            self._ring.remove_node(name)
+
+    def candidates(self, key: str) -> list[str]:
+        """Every replica in ring order starting at ``key``'s position: the owner first."""
+        if not self._weights:
+            return []
+        return [node["nodename"] for node in self._ring.range(key, unique=True)]
+
+    def owner(self, key: str) -> str | None:
+        """The replica that owns ``key``, or None on an empty ring."""
+        return self._ring.get_node(key) if self._weights else None
+
+    def shares(self) -> dict[str, float]:
+        """Fraction of the hash space (so of uniformly spread keys) each replica owns."""
+        points = sorted(self._ring.get_points()) if self._weights else []
+        shares = dict.fromkeys(self._weights, 0.0)
+        for i, (position, name) in enumerate(points):
+            previous = points[i - 1][0] - (_SPACE if i == 0 else 0)
+            shares[name] += (position - previous) / _SPACE
+        return shares
