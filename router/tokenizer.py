@@ -22,8 +22,14 @@ Errors: ``ChatFormatError`` (a ValueError) for messages or tools that cannot be 
 from __future__ import annotations
 
 import json
+import re
+import threading
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
+
+import xxhash
 
 __all__ = ["PromptTokenizer", "HFTokenizer", "ByteTokenizer", "ChatFormatError", "load_tokenizer",
            "normalize_messages", "normalize_tools"]
@@ -139,10 +145,21 @@ def normalize_tools(tools: Any) -> list[dict] | None:
 class HFTokenizer:
     """A Hugging Face tokenizer folder with its chat template (``transformers.AutoTokenizer``).
 
+    Chat prompts are tokenized incrementally: most of a conversation's prompt is text the
+    gateway tokenized on the previous turn. Hugging Face tokenizers cut the text at special
+    tokens (``<|im_end|>``, ``<|eot_id|>``...) before anything else, so the token ids of the
+    text up to the end of a special token never depend on what follows. The ids of each
+    rendered prompt up to its last special token are kept (LRU, at most ``max_cached_tokens``
+    token ids, 4 bytes each: 16 MB by default), keyed by a hash of that text; a later prompt
+    starting with the same text tokenizes only the rest. Tokenizers whose special tokens strip
+    neighbouring whitespace (``lstrip``/``rstrip``) or are normalised break that independence:
+    for those the cache is off. Measured on one core: encoding an 11,000-token agent prompt
+    takes about 24 ms, rendering its template 1.4 ms.
+
     Raises OSError when the folder holds no tokenizer.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, max_cached_tokens: int = 4_000_000) -> None:
         import os
 
         # transformers warns at import that PyTorch is absent; tokenizers need no PyTorch.
@@ -151,11 +168,20 @@ class HFTokenizer:
 
         self.path = path
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self._backend = self._tok.backend_tokenizer
         self.vocab_size = len(self._tok)
         self._token_text: dict[int, str] = {}
+        added = [t for t in self._backend.get_added_tokens_decoder().values() if t.special]
+        safe = bool(added) and not any(t.lstrip or t.rstrip or t.normalized for t in added)
+        self._special_re = re.compile("|".join(re.escape(t.content) for t in added)) if safe else None
+        self._special_ids = {self._backend.token_to_id(t.content) for t in added}
+        self.max_cached_tokens = max_cached_tokens
+        self._prefixes: OrderedDict[int, array] = OrderedDict()
+        self._cached_tokens = 0
+        self._lock = threading.Lock()  # analyze() runs in worker threads
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def render_chat(self, messages, *, tools=None, add_generation_prompt=True,
                     continue_final_message=False, chat_template_kwargs=None) -> list[int]:
@@ -174,7 +200,51 @@ class HFTokenizer:
             raise
         except Exception as exc:  # jinja2 errors raised by the template itself
             raise ChatFormatError(f"chat template failed: {exc}", "messages") from None
-        return self.encode(text, add_special_tokens=False)
+        return self.encode_incremental(text)
+
+    def encode_incremental(self, text: str) -> list[int]:
+        """``encode(text, add_special_tokens=False)``, reusing the ids of a known prefix."""
+        if self._special_re is None:
+            return self.encode(text, add_special_tokens=False)
+        digest = xxhash.xxh3_64()
+        start = 0
+        boundaries: list[tuple[int, int]] = []  # (end of a special token, hash of text up to it)
+        for match in self._special_re.finditer(text):
+            digest.update(text[start : match.end()].encode("utf-8", "surrogatepass"))
+            start = match.end()
+            boundaries.append((start, digest.intdigest()))
+        known: array | None = None
+        cut = 0
+        with self._lock:
+            for end, key in reversed(boundaries):
+                known = self._prefixes.get(key)
+                if known is not None:
+                    self._prefixes.move_to_end(key)
+                    cut = end
+                    break
+        ids = list(known) if known is not None else []
+        ids.extend(self._backend.encode(text[cut:], add_special_tokens=False).ids)
+        if boundaries and boundaries[-1][0] > cut:
+            count = len(boundaries)  # special tokens up to the last boundary
+            for index, token in enumerate(ids):
+                if token in self._special_ids:
+                    count -= 1
+                    if count == 0:
+                        self._remember(boundaries[-1][1], ids[: index + 1])
+                        break
+        return ids
+
+    def _remember(self, key: int, ids: list[int]) -> None:
+        if len(ids) > self.max_cached_tokens:
+            return
+        with self._lock:
+            if key in self._prefixes:
+                return
+            self._prefixes[key] = array("i", ids)
+            self._cached_tokens += len(ids)
+            while self._cached_tokens > self.max_cached_tokens:
+                _, dropped = self._prefixes.popitem(last=False)
+                self._cached_tokens -= len(dropped)
 
     def decode_token(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
