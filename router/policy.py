@@ -63,8 +63,21 @@ class Decision:
     best_blocks: int = 0  # most blocks any replica is believed to hold
     best_replica: str | None = None
     key_depth: int = 0
+    key: str = ""  # the ring key: also names a completion prompt's conversation
     spilled_from: str | None = None  # the ring owner, when the route is spill
     matches: dict[str, int] = field(default_factory=dict)
+
+
+def routing_key(branches: BranchStats, max_key_blocks: int, hashes: Sequence[BlockHash], full_hash: int,
+                session_key: str | None) -> tuple[int, str]:
+    """(key depth in blocks, ring key): the session key when given, else the hash of the block
+    at the key depth, else (a prompt ending inside a shared prefix) the whole prompt's hash."""
+    depth = branches.key_depth(hashes, max_key_blocks)
+    if session_key is not None:
+        return depth, "s:" + session_key
+    if depth <= len(hashes):
+        return depth, f"b:{hashes[depth - 1]:016x}"
+    return depth, f"p:{full_hash:016x}"
 
 
 def _overloaded(load: int, mean: float, config: RoutingConfig) -> bool:
@@ -92,13 +105,7 @@ class PrefixAffinityPolicy:
             raise LookupError("no healthy replica")
         cfg = self.config
         cap = len(hashes) if max_hit_blocks is None else max_hit_blocks
-        depth = self.branches.key_depth(hashes, cfg.max_key_blocks)
-        if session_key is not None:
-            key = "s:" + session_key
-        elif depth <= len(hashes):
-            key = f"b:{hashes[depth - 1]:016x}"
-        else:
-            key = f"p:{full_hash:016x}"
+        depth, key = routing_key(self.branches, cfg.max_key_blocks, hashes, full_hash, session_key)
         order = [n for n in self.ring.candidates(key) if n in replicas] or sorted(replicas)
         matches = {n: min(v.shadow.match(hashes), cap) for n, v in replicas.items()}
         mean = sum(v.load for v in replicas.values()) / len(replicas)
@@ -115,46 +122,56 @@ class PrefixAffinityPolicy:
                 route = Route.AFFINITY if replica == owner else Route.SPILL
         return Decision(replica, route, [replica] + [n for n in order if n != replica],
                         predicted_blocks=matches[replica], best_blocks=matches[best], best_replica=best,
-                        key_depth=depth, spilled_from=owner if route is Route.SPILL else None, matches=matches)
+                        key_depth=depth, key=key, spilled_from=owner if route is Route.SPILL else None, matches=matches)
 
 
-class RoundRobinPolicy:
+class _Baseline:
+    """Shared by the baselines: they ignore prefixes when choosing, but still report what
+    replicas were believed to hold, so their misses are classified like the gateway's."""
+
+    def __init__(self, config: RoutingConfig, branches: BranchStats) -> None:
+        self.config = config
+        self.branches = branches
+
+    def order(self, replicas: Mapping[str, ReplicaView]) -> list[str]:
+        raise NotImplementedError
+
+    def select(self, hashes, full_hash, replicas, session_key=None, max_hit_blocks=None) -> Decision:
+        if not replicas:
+            raise LookupError("no healthy replica")
+        order = self.order(replicas)
+        cap = len(hashes) if max_hit_blocks is None else max_hit_blocks
+        matches = {n: min(v.shadow.match(hashes), cap) for n, v in replicas.items()}
+        best = max(order, key=lambda n: matches[n])
+        depth, key = routing_key(self.branches, self.config.max_key_blocks, hashes, full_hash, session_key)
+        return Decision(order[0], Route.FALLBACK, order, predicted_blocks=matches[order[0]],
+                        best_blocks=matches[best], best_replica=best, key_depth=depth, key=key, matches=matches)
+
+
+class RoundRobinPolicy(_Baseline):
     """Baseline: each request to the next replica in turn, ignoring prefixes and load."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: RoutingConfig, branches: BranchStats) -> None:
+        super().__init__(config, branches)
         self._counter = itertools.count()
 
-    def select(self, hashes, full_hash, replicas, session_key=None, max_hit_blocks=None) -> Decision:
-        if not replicas:
-            raise LookupError("no healthy replica")
+    def order(self, replicas):
         names = sorted(replicas)
         start = next(self._counter) % len(names)
-        order = names[start:] + names[:start]
-        return _baseline(order, hashes, replicas, max_hit_blocks)
+        return names[start:] + names[:start]
 
 
-class LeastLoadedPolicy:
+class LeastLoadedPolicy(_Baseline):
     """Baseline: the replica with the lowest load, ignoring prefixes."""
 
-    def select(self, hashes, full_hash, replicas, session_key=None, max_hit_blocks=None) -> Decision:
-        if not replicas:
-            raise LookupError("no healthy replica")
-        order = sorted(replicas, key=lambda n: (replicas[n].load, n))
-        return _baseline(order, hashes, replicas, max_hit_blocks)
-
-
-def _baseline(order: list[str], hashes, replicas, max_hit_blocks) -> Decision:
-    cap = len(hashes) if max_hit_blocks is None else max_hit_blocks
-    matches = {n: min(v.shadow.match(hashes), cap) for n, v in replicas.items()}
-    best = max(order, key=lambda n: matches[n])
-    return Decision(order[0], Route.FALLBACK, order, predicted_blocks=matches[order[0]],
-                    best_blocks=matches[best], best_replica=best, matches=matches)
+    def order(self, replicas):
+        return sorted(replicas, key=lambda n: (replicas[n].load, n))
 
 
 def make_policy(config: RoutingConfig, ring: Ring, branches: BranchStats):
     """The policy the configuration names."""
     if config.policy == "round-robin":
-        return RoundRobinPolicy()
+        return RoundRobinPolicy(config, branches)
     if config.policy == "least-loaded":
-        return LeastLoadedPolicy()
+        return LeastLoadedPolicy(config, branches)
     return PrefixAffinityPolicy(config, ring, branches)

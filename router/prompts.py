@@ -28,7 +28,8 @@ class PromptInfo:
     num_units: int  # tokens (or characters without a tokenizer)
     exact: bool  # True when units are the engine's tokens
     message_hashes: tuple[int, ...]  # tools, then each message (chat); () for completions
-    conversation: str  # conversation id (session key, first user message, or first block)
+    conversation: str  # session key or first user message; "" for completions (the proxy
+    # then uses the routing key: the first block specific to the conversation)
 
 
 def _digest(value) -> int:
@@ -97,6 +98,4 @@ def analyze(body: dict, chat: bool, tokenizer: PromptTokenizer | None, block_siz
         full = xxhash.xxh3_64_intdigest(text[len(hashes) * char_block_size:].encode("utf-8", "surrogatepass"),
                                         hashes[-1] if hashes else seed)
         units, exact = len(codes), False
-    if not conversation:
-        conversation = f"b:{hashes[0] if hashes else full:016x}"
     return PromptInfo(hashes, full, units, exact, message_hashes, conversation)

@@ -19,6 +19,7 @@ In-flight slots are released in ``finally``, so errors and client disconnects fr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -136,9 +137,9 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
 
 
 def _retarget(decision: Decision, name: str) -> Decision:
-    return Decision(name, Route.FALLBACK, decision.candidates, predicted_blocks=decision.matches.get(name, 0),
-                    best_blocks=decision.best_blocks, best_replica=decision.best_replica,
-                    key_depth=decision.key_depth, matches=decision.matches)
+    """The decision after a retry moved the request to ``name`` (counted as a fallback)."""
+    return dataclasses.replace(decision, replica=name, route=Route.FALLBACK, spilled_from=None,
+                               predicted_blocks=decision.matches.get(name, 0))
 
 
 async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: str, decision: Decision,
@@ -208,7 +209,8 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, statu
     m.prompt_tokens.labels(name).inc(prompt_tokens)
     m.cached.labels(name).inc(cached_tokens)
     m.cached_predicted.labels(name).inc(min(int(decision.predicted_blocks * to_tokens), prompt_tokens))
-    previous = gw.conversations.get(info.conversation)
+    conversation = info.conversation or decision.key
+    previous = gw.conversations.get(conversation)
     verdict = classify(hashes=info.hashes, message_hashes=info.message_hashes, previous=previous,
                        cached_blocks=cached_blocks, predicted_blocks=decision.predicted_blocks,
                        best_blocks=decision.best_blocks, max_hit_blocks=max((info.num_units - 1) // unit, 0),
@@ -219,4 +221,4 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, statu
         m.lost_tokens.labels(name, cause).inc(int(verdict.lost_tokens * to_tokens))
     if verdict.result is CacheResult.MISS_CHANGED:
         gw.record_change(verdict, int(verdict.diverged_block * to_tokens))
-    gw.conversations.put(info.conversation, Conversation(tuple(info.hashes), info.message_hashes))
+    gw.conversations.put(conversation, Conversation(tuple(info.hashes), info.message_hashes))

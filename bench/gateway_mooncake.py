@@ -1,0 +1,133 @@
+"""The Mooncake conversation trace through the gateway in front of 8 simulated replicas.
+
+For each policy (prefix affinity, then round-robin for contrast), on fresh replicas: replay the
+trace time-compressed through a gateway, then read every replica's own
+``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`` and request count. The
+bound to compare with is one pooled cache of the same total capacity serving the same requests
+one after another (``pooled_hit_rate``: the simulator's own KV cache rules, computed offline).
+
+    python -m bench.gateway_mooncake [--limit N] [--replicas 8] [--time-scale 20]
+
+Writes ``bench/results/gateway_mooncake.{json,md}`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from router.blocks import block_hashes, seed_hash
+from router.replay.client import replay
+from router.replay.summary import summarize
+from router.replay.workloads import load_mooncake
+from router.sim.kv_cache import KVCache
+
+from .fleet import ROOT, fleet, gateway, metric_sum, scrape
+
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+MODEL = "sim"
+
+
+def pooled_hit_rate(requests, num_gpu_blocks: int, block_size: int) -> float:
+    """Token hit rate of one cache of ``num_gpu_blocks`` serving ``requests`` in order.
+
+    Each request hits its longest cached prefix (vLLM's rules), then holds its prompt and
+    output blocks (output blocks get unique hashes, as generated tokens do) and frees them.
+    """
+    kv = KVCache(num_gpu_blocks, block_size)
+    seed = seed_hash(MODEL, None)
+    reused = total = 0
+    unique = iter(range(1 << 62, 1 << 63))
+    for req in requests:
+        prompt = req.body["prompt"]
+        hashes = block_hashes(prompt, block_size, seed)
+        hit = kv.find_longest_cache_hit(hashes, len(prompt))
+        num_tokens = len(prompt) + req.body["max_tokens"] - 1
+        held: list = []
+        if not kv.allocate(held, hit, num_tokens):
+            continue
+        full = num_tokens // block_size
+        chain = list(hashes[:full]) + [next(unique) for _ in range(full - len(hashes[:full]))]
+        kv.cache_full_blocks(held, chain, len(hit), full)
+        kv.free(held)
+        reused += len(hit) * block_size
+        total += len(prompt)
+    return reused / total
+
+
+def run_policy(policy: str, requests, args, log_dir: Path) -> dict:
+    sim_args = ["--model", MODEL, "--num-blocks", str(args.num_blocks), "--time-scale", str(args.time_scale)]
+    with fleet(args.replicas, log_dir, sim_args) as urls, gateway(urls, log_dir, ["--policy", policy]) as gw:
+        started = time.perf_counter()
+        records = asyncio.run(replay(requests, gw, model=MODEL, time_scale=args.time_scale))
+        wall = time.perf_counter() - started
+        pages = [scrape(u) for u in urls]
+        gateway_page = scrape(gw)
+    hits = sum(metric_sum(p, "vllm:prefix_cache_hits_total") for p in pages)
+    queries = sum(metric_sum(p, "vllm:prefix_cache_queries_total") for p in pages)
+    per_replica = [metric_sum(p, "vllm:request_success_total") for p in pages]
+    prefill = [metric_sum(p, "vllm:prompt_tokens_total") for p in pages]
+    summary = summarize(records, args.time_scale)
+    def by_label(metric: str, label: str, values) -> dict:
+        return {v: sum(float(line.rsplit(" ", 1)[1]) for line in gateway_page.splitlines()
+                       if line.startswith(metric + "{") and f'{label}="{v}"' in line) for v in values}
+
+    results = by_label("prefix_router_cache_requests_total", "result",
+                       ("hit", "miss_cold", "miss_changed", "miss_routed", "miss_evicted"))
+    routes = by_label("prefix_router_requests_total", "route", ("affinity", "spill", "sticky", "fallback"))
+    return {
+        "policy": policy, "requests": len(records), "errors": summary["errors"], "wall_s": wall,
+        "hit_rate": hits / queries if queries else 0.0,
+        "busiest_share_of_fair": max(per_replica) / (sum(per_replica) / len(per_replica)) if sum(per_replica) else 0.0,
+        "busiest_prefill_share_of_fair": max(prefill) / (sum(prefill) / len(prefill)) if sum(prefill) else 0.0,
+        "ttft_p50_modelled_s": (summary["ttft_p50_s"] or 0) * args.time_scale,
+        "ttft_p99_modelled_s": (summary["ttft_p99_s"] or 0) * args.time_scale,
+        "requests_per_replica": per_replica, "gateway_cache_results": results, "routes": routes,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--num-blocks", type=int, default=28_000, help="per replica (H100 80 GB, 8B model)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--time-scale", type=float, default=20.0)
+    parser.add_argument("--policies", default="prefix-affinity,round-robin")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gateway_mooncake")
+    args = parser.parse_args()
+    if not args.trace.exists():
+        print(f"trace {args.trace} not found", file=sys.stderr)
+        return 2
+    requests = load_mooncake(args.trace, limit=args.limit)
+    bound = pooled_hit_rate(requests, args.replicas * (args.num_blocks - 1) + 1, args.block_size)
+    log_dir = Path("/tmp") / f"gateway_mooncake_{os.getpid()}"
+    rows = [run_policy(p, requests, args, log_dir) for p in args.policies.split(",")]
+    lines = [f"Mooncake conversation trace, {len(requests)} requests, {args.replicas} simulated replicas x "
+             f"{args.num_blocks} blocks of {args.block_size}, time scale {args.time_scale:g}; pooled-cache bound "
+             f"{bound:.3f}", "",
+             "| policy | token hit rate | of pooled bound | busiest replica (requests / fair) | busiest (prefill tokens / fair) "
+             "| TTFT p50 / p99 (modelled s) | errors |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['policy']} | {r['hit_rate']:.3f} | {r['hit_rate'] / bound:.1%} | "
+                     f"{r['busiest_share_of_fair']:.2f} | {r['busiest_prefill_share_of_fair']:.2f} | "
+                     f"{r['ttft_p50_modelled_s']:.2f} / {r['ttft_p99_modelled_s']:.2f} | {r['errors']} |")
+    table = "\n".join(lines)
+    print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "python -m bench.gateway_mooncake " + " ".join(sys.argv[1:]), "pooled_bound": bound,
+            "machine": {"cores": os.cpu_count(), "python": platform.python_version()}, "rows": rows}
+    args.out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(table + "\n\nCommand: `" + meta["command"] + "`\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
