@@ -40,8 +40,12 @@ def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None) 
     async def lifecycle(app: web.Application):
         up = config.upstream
         timeout = aiohttp.ClientTimeout(total=None, connect=up.connect_timeout_s, sock_read=up.read_timeout_s)
+        # Bodies are relayed as they are (auto_decompress off, no Content-Encoding passed on), so
+        # ask for identity: aiohttp would otherwise send "Accept-Encoding: gzip, deflate", and
+        # vLLM's /metrics (prometheus-client) or a gzip proxy would answer compressed bytes.
         gw.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=up.max_connections),
-                                        timeout=timeout, auto_decompress=False)
+                                        timeout=timeout, auto_decompress=False,
+                                        headers={"Accept-Encoding": "identity"})
         replicas = list(gw.replicas.values())
         await asyncio.gather(*(scrape_once(gw.http, r, 2.0) for r in replicas))
         gw.sync_ring()

@@ -154,7 +154,6 @@ class GatewayConfig:
     host: str = "0.0.0.0"  # listen on all interfaces: the gateway usually runs in a container
     port: int = 8080  # a common unprivileged HTTP port; 0 picks a free one (tests)
     replicas: tuple[ReplicaConfig, ...] = ()  # may be empty at load time; the CLI decides
-    model: str | None = None  # served model name; None: the name the replicas report
     # local folder or Hugging Face id found in the local HF cache; None: character blocks,
     # approximate routing
     tokenizer: str | None = None
@@ -254,7 +253,6 @@ _CHECKS: dict[tuple[type, str], _Check] = {
     (LimitsConfig, "max_body_bytes"): _POSITIVE,
     (GatewayConfig, "host"): _non_empty,
     (GatewayConfig, "port"): _bounded(0, 65535),
-    (GatewayConfig, "model"): _non_empty,
     (GatewayConfig, "tokenizer"): _non_empty,
 }
 

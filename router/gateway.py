@@ -110,6 +110,8 @@ class Gateway:
                 "ring_share": round(shares.get(r.name, 0.0), 4), "shadow_blocks": len(r.shadow),
                 "models": r.models,
             } for r in self.replicas.values()],
+            "change_sites": [{"message_index": m, "token_position": t, "count": c}
+                             for (m, t), c in self.change_sites.most_common(10)],
             "branch_blocks": len(self.branches),
             "conversations": len(self.conversations),
         }

@@ -46,16 +46,22 @@ class ShadowIndex:
             n += 1
         return n
 
-    def insert(self, hashes: Sequence[BlockHash]) -> None:
-        """Record ``hashes`` as cached and most recently used; evict the oldest beyond capacity."""
+    def insert(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Record ``hashes`` as cached and most recently used; evict the oldest beyond capacity.
+
+        Returns the hashes that were not there before (to ``forget`` if the request failed).
+        """
         blocks = self._blocks
+        added = []
         for h in hashes:
             if h in blocks:
                 blocks.move_to_end(h)
             else:
                 blocks[h] = None
+                added.append(h)
         while len(blocks) > self.capacity:
             blocks.popitem(last=False)
+        return added
 
     def forget(self, hashes: Sequence[BlockHash]) -> None:
         """Drop blocks the engine showed it no longer holds."""

@@ -37,6 +37,8 @@ __all__ = ["handle_generate", "openai_error", "REPLICA_HEADER"]
 log = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-prefix-router-replica"
+_NOT_RELAYED = {"content-length", "content-encoding", "transfer-encoding", "connection", "keep-alive",
+                "server", "date"}  # aiohttp sets its own
 _HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
                "proxy-authorization", "proxy-connection", "te", "trailer", "accept-encoding"}
 
@@ -49,13 +51,16 @@ def openai_error(status: int, message: str, param: str | None = None, type_: str
                              status=status)
 
 
-async def _read_body(request: web.Request, limit: int) -> dict | web.Response:
+async def _read_raw(request: web.Request, limit: int) -> bytes | web.Response:
     if request.content_length is not None and request.content_length > limit:
         return openai_error(413, f"request body of {request.content_length} bytes exceeds the limit of {limit}")
     try:
-        raw = await request.read()
+        return await request.read()
     except web.HTTPRequestEntityTooLarge:
         return openai_error(413, f"request body exceeds the limit of {limit} bytes")
+
+
+def _parse(raw: bytes) -> dict | web.Response:
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -63,6 +68,19 @@ async def _read_body(request: web.Request, limit: int) -> dict | web.Response:
     if not isinstance(body, dict):
         return openai_error(400, "request body must be a JSON object", "body")
     return body
+
+
+def _with_usage(raw: bytes, body: dict, options) -> bytes:
+    """The body with ``stream_options.include_usage`` on, so the engine reports cached tokens.
+
+    Without ``stream_options`` in the body, the key is spliced in front of the client's bytes
+    (no re-serialisation of a prompt that may be megabytes); otherwise the body is re-encoded.
+    """
+    stripped = raw.lstrip()
+    if "stream_options" not in body and body and stripped.startswith(b"{"):
+        return b'{"stream_options":{"include_usage":true},' + stripped[1:]
+    merged = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    return json.dumps({**body, "stream_options": merged}).encode()
 
 
 def _session_key(request: web.Request, body: dict, gw: Gateway) -> str | None:
@@ -81,7 +99,10 @@ def _forward_headers(request: web.Request) -> dict[str, str]:
 
 async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bool) -> web.StreamResponse:
     """``POST /v1/completions`` and ``/v1/chat/completions``."""
-    body = await _read_body(request, gw.config.limits.max_body_bytes)
+    raw = await _read_raw(request, gw.config.limits.max_body_bytes)
+    if isinstance(raw, web.Response):
+        return raw
+    body = _parse(raw)
     if isinstance(body, web.Response):
         return body
     session = _session_key(request, body, gw)
@@ -91,18 +112,17 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
     healthy = {r.name: ReplicaView(r.name, r.load, r.shadow) for r in gw.replicas.values() if r.healthy}
     if not healthy:
         return openai_error(503, "no healthy replica", type_="ServiceUnavailableError")
+    if gw.config.log_prompts:  # an operator's explicit choice (off by default)
+        log.info("request conversation=%s units=%d body=%.500r", info.conversation, info.num_units, raw)
     started = time.perf_counter()
     max_hit = max((info.num_units - 1) // gw.unit_block_size(info), 0)
     decision = gw.policy.select(info.hashes, info.full_hash, healthy, session, max_hit)
     gw.metrics.routing_seconds.observe(time.perf_counter() - started)
     gw.branches.record(info.hashes, gw.config.routing.max_key_blocks)
     stream = body.get("stream") is True
-    client_wants_usage = False
-    if stream:
-        options = body.get("stream_options")
-        client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
-        body = {**body, "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True}}
-    payload = json.dumps(body).encode()
+    options = body.get("stream_options")
+    client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+    payload = _with_usage(raw, body, options) if stream and not client_wants_usage else raw
     headers = _forward_headers(request)
     headers["Content-Type"] = "application/json"
     attempts = decision.candidates[: gw.config.upstream.max_retries + 1]
@@ -115,16 +135,20 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
         gw.metrics.inflight.labels(name).set(replica.inflight)
         if name != decision.replica:
             decision = _retarget(decision, name)
-        replica.shadow.insert(info.hashes)  # vLLM makes blocks hittable once scheduled
+        # vLLM makes blocks hittable as soon as they are scheduled: count them at once, so a
+        # burst of one prefix sees it; take back what this attempt added if it fails.
+        added = replica.shadow.insert(info.hashes)
         t0 = time.perf_counter()
         try:
             async with gw.http.post(replica.url + path, data=payload, headers=headers) as upstream:
                 if upstream.status >= 500:
+                    replica.shadow.forget(added)
                     last_error = f"replica {name} answered {upstream.status}"
                     gw.metrics.requests.labels(name, decision.route.value, str(upstream.status)).inc()
                     continue
                 return await _relay(request, gw, upstream, name, decision, info, stream, client_wants_usage, t0)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            replica.shadow.forget(added)
             last_error = f"replica {name}: {type(exc).__name__}"
             gw.metrics.requests.labels(name, decision.route.value, "0").inc()
             log.warning("upstream %s failed (%s); trying the next replica", name, type(exc).__name__)
@@ -147,7 +171,8 @@ async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: s
     usage = None
     ttft = None
     status = upstream.status
-    headers = {REPLICA_HEADER: name, "Content-Type": upstream.headers.get("Content-Type", "application/json")}
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_RELAYED}
+    headers[REPLICA_HEADER] = name
     if not stream or upstream.status != 200:
         data = await upstream.read()
         if upstream.status == 200:

@@ -46,7 +46,8 @@ class Ring:
             return
         if name in self._weights:
             self._ring.remove_node(name)
-        self._ring.add_node(name, {"weight": weight, "vnodes": self.virtual_nodes * weight})
+        # uhashring places vnodes x weight points: pass the weight once, not in both factors
+        self._ring.add_node(name, {"weight": weight, "vnodes": self.virtual_nodes})
         self._weights[name] = weight
 
     def remove(self, name: str) -> None:

@@ -6,37 +6,24 @@ the engines' and the replicas' ``cached_tokens`` can be compared with its predic
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
+import signal
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import GATEWAY, create_app
+from router.gateway import replica_name
 from router.config import config_from_dict
 from router.proxy import REPLICA_HEADER
-from router.sim.config import SimConfig
-from router.sim.server import create_app as create_sim
 from router.tokenizer import ByteTokenizer
 
-MODEL = "sim"
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
+from .helpers import MODEL, metric, text
 
-
-def text(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-@pytest.fixture
-async def fleet(aiohttp_server):
-    """Start ``n`` simulated replicas; returns their servers."""
-
-    async def start(n: int = 4, **sim):
-        cfg = dict(model=MODEL, num_gpu_blocks=20_000, max_model_len=100_000, time_scale=1000.0)
-        cfg.update(sim)
-        return [await aiohttp_server(create_sim(SimConfig(**cfg), ByteTokenizer())) for _ in range(n)]
-
-    return start
 
 
 @pytest.fixture
@@ -56,15 +43,6 @@ async def chat(client, messages, headers=None, **extra):
     data = await resp.json()
     assert resp.status == 200, data
     return resp.headers[REPLICA_HEADER], data["usage"]
-
-
-def metric(text_: str, name: str, **labels) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(text_):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 async def test_a_multi_turn_session_stays_on_one_replica_and_hits_its_history(fleet, gateway):
@@ -170,21 +148,6 @@ async def test_requests_to_a_dead_replica_are_retried_on_the_next_one(fleet, gat
         assert replica != victim
 
 
-async def test_a_restarted_replica_clears_its_shadow_index_and_is_not_blamed_on_clients(fleet, gateway):
-    client = await gateway(await fleet(2))
-    gw = client.server.app[GATEWAY]
-    rng = random.Random(7)
-    messages = [{"role": "system", "content": text(rng, 200)}, {"role": "user", "content": text(rng, 20)}]
-    replica, _ = await chat(client, messages)
-    state = gw.replicas[replica]
-    state.reset_cache_view("test: restarted")
-    # The engine really lost its cache too: fake it by salting nothing; count the next outcome.
-    messages += [{"role": "assistant", "content": "x"}, {"role": "user", "content": text(rng, 20)}]
-    await chat(client, messages)
-    metrics = await (await client.get("/metrics")).text()
-    assert metric(metrics, "prefix_router_cache_requests_total", result="miss_changed") == 0
-
-
 async def test_streaming_passes_chunks_through_and_drops_the_usage_chunk_nobody_asked_for(fleet, gateway):
     client = await gateway(await fleet(2))
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
@@ -216,3 +179,121 @@ async def test_replicas_view_and_readiness(fleet, gateway):
     assert all(r["num_gpu_blocks"] == 20_000 and r["block_size"] == 16 for r in view["replicas"])
     assert (await client.get("/ready")).status == 200
     assert (await client.get("/health")).status == 200
+
+
+def spawn_sim(port: int, time_scale: float) -> subprocess.Popen:
+    """A simulated replica in its own process, so it can be killed for real."""
+    return subprocess.Popen([sys.executable, "-m", "router.cli", "sim", "--port", str(port), "--model", MODEL,
+                             "--num-blocks", "20000", "--time-scale", str(time_scale)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+async def wait_until(predicate, timeout_s: float = 20.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+async def healthy_url(port: int) -> str:
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as http:
+        for _ in range(200):
+            try:
+                async with http.get(url + "/health") as resp:
+                    if resp.status == 200:
+                        return url
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{url} never became healthy")
+
+
+async def test_a_replica_killed_mid_run_fails_no_request_that_had_not_started_streaming(fleet, aiohttp_client,
+                                                                                       unused_tcp_port_factory):
+    # Two in-process replicas plus one in its own process, killed while streams are running.
+    # Time scale 5: a 200-token stream lasts about 240 ms, so streams are running at the kill.
+    servers = await fleet(2, time_scale=5.0)
+    port = unused_tcp_port_factory()
+    victim = spawn_sim(port, 5.0)
+    try:
+        urls = [str(s.make_url("")).rstrip("/") for s in servers] + [await healthy_url(port)]
+        config = config_from_dict({"replicas": urls, "health": {"interval_s": 0.2, "unhealthy_after": 1}})
+        client = await aiohttp_client(create_app(config, ByteTokenizer()))
+        rng = random.Random(8)
+
+        async def one(i: int) -> tuple[int, bool, str]:
+            await asyncio.sleep(i * 0.01)
+            body = {"model": MODEL, "max_tokens": 200, "stream": True,
+                    "messages": [{"role": "user", "content": f"{i} " + text(rng, 30)}]}
+            resp = await client.post("/v1/chat/completions", json=body)
+            raw = await resp.text()
+            return resp.status, resp.headers.get(REPLICA_HEADER), raw
+
+        tasks = [asyncio.create_task(one(i)) for i in range(60)]
+        await asyncio.sleep(0.3)
+        victim.send_signal(signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+    finally:
+        victim.kill()
+        victim.wait()
+    dead = replica_name(f"http://127.0.0.1:{port}")
+    assert any(replica == dead for _, replica, _ in results), "the killed replica served nothing: no test"
+    for status, replica, raw in results:
+        assert status == 200  # nothing failed before streaming: refused connections were retried
+        if not raw.rstrip().endswith("data: [DONE]"):
+            # Cut mid-stream: the client got data first, then a clear error event, not a hang.
+            assert replica == dead
+            assert '"delta"' in raw and '"error"' in raw.splitlines()[-2] + raw.splitlines()[-1]
+    assert any(not raw.rstrip().endswith("[DONE]") for _, _, raw in results), "no stream was cut: no test"
+
+
+async def test_a_restarted_replica_starts_with_an_empty_view_so_its_misses_are_cold(aiohttp_client,
+                                                                                  unused_tcp_port_factory):
+    port = unused_tcp_port_factory()
+    proc = spawn_sim(port, 1000.0)
+    try:
+        url = await healthy_url(port)
+        config = config_from_dict({"replicas": [url], "health": {"interval_s": 0.1, "unhealthy_after": 1},
+                                   "scrape": {"interval_s": 0.1}})
+        client = await aiohttp_client(create_app(config, ByteTokenizer()))
+        gw = client.server.app[GATEWAY]
+        rng = random.Random(9)
+        messages = [{"role": "system", "content": text(rng, 200)}, {"role": "user", "content": text(rng, 20)}]
+        await chat(client, messages)
+        proc.kill()
+        proc.wait()
+        await wait_until(lambda: not gw.replicas[replica_name(url)].healthy)
+        proc = spawn_sim(port, 1000.0)
+        await healthy_url(port)
+        await wait_until(lambda: gw.replicas[replica_name(url)].healthy)
+        messages += [{"role": "assistant", "content": "x"}, {"role": "user", "content": text(rng, 20)}]
+        _, usage = await chat(client, messages)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # the engine lost its cache
+        metrics = await (await client.get("/metrics")).text()
+        # Both the very first request and the one after the restart found nothing known.
+        assert metric(metrics, "prefix_router_cache_requests_total", result="miss_cold") == 2
+        assert metric(metrics, "prefix_router_cache_requests_total", result="miss_changed") == 0
+        assert metric(metrics, "prefix_router_cache_requests_total", result="miss_evicted") == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "m", "stream": true, "messages": []}',
+    b'  \n{"stream":true,"stream_options":{"continuous_usage_stats":false}}',
+    b'\xef\xbb\xbf{"stream": true}',
+])
+def test_usage_is_requested_from_the_engine_without_changing_anything_else(raw):
+    from router.proxy import _parse, _with_usage
+
+    body = _parse(raw)
+    sent = json.loads(_with_usage(raw, body, body.get("stream_options")))
+    assert sent["stream_options"]["include_usage"] is True
+    assert {k: v for k, v in sent.items() if k != "stream_options"} == {k: v for k, v in body.items() if k != "stream_options"}
+    assert {k: v for k, v in sent["stream_options"].items() if k != "include_usage"} == \
+        {k: v for k, v in (body.get("stream_options") or {}).items() if k != "include_usage"}

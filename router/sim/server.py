@@ -54,7 +54,7 @@ async def _read_json(request: web.Request) -> dict:
     return body
 
 
-def _usage(req: SimRequest, chat: bool) -> dict:
+def _usage(req: SimRequest) -> dict:
     return {
         "prompt_tokens": req.num_prompt_tokens,
         "total_tokens": req.num_tokens,
@@ -120,7 +120,7 @@ async def _generate(request: web.Request, params: CompletionParams, token_ids: l
                           "finish_reason": sim_req.finish_reason, "stop_reason": None}
                 obj = "text_completion"
             return web.json_response({"id": rid, "object": obj, "created": created, "model": params.model,
-                                      "choices": [choice], "usage": _usage(sim_req, chat)})
+                                      "choices": [choice], "usage": _usage(sim_req)})
         return await _stream(request, sim_req, wake, params, chat, created)
     finally:
         engine.abort(sim_req)  # no-op once finished; frees blocks if the client went away
@@ -155,7 +155,7 @@ async def _stream(request, sim_req: SimRequest, wake: _Stream, params: Completio
         chunk = f"data: {head}{choice}]}}\n\n"
         if finished:
             if params.include_usage:
-                usage = json.dumps(_usage(sim_req, chat), separators=(",", ":"))
+                usage = json.dumps(_usage(sim_req), separators=(",", ":"))
                 chunk += f'data: {head}],"usage":{usage}}}\n\n'
             chunk += "data: [DONE]\n\n"
             await response.write(chunk.encode())

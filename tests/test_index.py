@@ -1,0 +1,184 @@
+"""Shadow indexes (what a replica is believed to hold) and branch statistics (where prefixes
+shared by many conversations end)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from router.blocks import BlockHash, block_hashes, seed_hash
+from router.index import BranchStats, ShadowIndex
+
+_fresh = itertools.count(1_000_000)
+
+
+def fresh(n: int) -> list[BlockHash]:
+    """``n`` block hashes never used before in this module."""
+    return [BlockHash(next(_fresh)) for _ in range(n)]
+
+
+# --- ShadowIndex ----------------------------------------------------------------------------
+
+def test_match_counts_only_the_leading_blocks_and_stops_at_the_first_hole():
+    index = ShadowIndex(100)
+    chain = fresh(8)
+    hole = 3
+    index.insert(chain[:hole] + chain[hole + 1:])  # everything but block 3
+    assert index.match(chain) == hole
+    assert index.match(chain[:hole]) == hole
+    assert index.match(chain[hole + 1:]) == len(chain) - hole - 1  # held, but only as a prefix of its own
+    assert index.match(fresh(1) + chain) == 0  # an unknown first block: nothing is a hit
+    assert index.match([]) == 0
+
+
+def test_insert_beyond_capacity_evicts_the_least_recently_inserted_blocks():
+    capacity = 5
+    index = ShadowIndex(capacity)
+    old, new = fresh(capacity), fresh(2)
+    index.insert(old)
+    index.insert(new)
+    assert len(index) == capacity
+    evicted = old[: len(new)]
+    assert all(index.match([h]) == 0 for h in evicted)
+    assert all(index.match([h]) == 1 for h in old[len(new):] + new)
+
+
+def test_reinserting_a_block_touches_it_so_the_next_eviction_spares_it():
+    capacity = 4
+    index = ShadowIndex(capacity)
+    blocks = fresh(capacity)
+    index.insert(blocks)
+    index.insert(blocks[:1])  # a hit on the first block makes it the most recent
+    extra = fresh(1)
+    index.insert(extra)
+    assert index.match(blocks[:1]) == 1
+    assert index.match(blocks[1:2]) == 0  # now the least recent: evicted instead
+    assert len(index) == capacity
+
+
+def test_forget_drops_blocks_and_ignores_unknown_ones():
+    index = ShadowIndex(10)
+    chain = fresh(4)
+    index.insert(chain)
+    index.forget([chain[2], *fresh(2)])
+    assert len(index) == len(chain) - 1
+    assert index.match(chain) == 2
+
+
+def test_resize_to_a_smaller_capacity_evicts_the_oldest_blocks_at_once():
+    index = ShadowIndex(10)
+    chain = fresh(10)
+    index.insert(chain)
+    smaller = 3
+    index.resize(smaller)
+    assert index.capacity == smaller and len(index) == smaller
+    assert index.match(chain[-smaller:]) == smaller
+    assert index.match(chain[: len(chain) - smaller]) == 0
+    index.resize(0)  # a nonsense capacity keeps at least one block
+    assert index.capacity == 1 and len(index) == 1
+
+
+def test_clear_empties_the_index():
+    index = ShadowIndex(10)
+    chain = fresh(6)
+    index.insert(chain)
+    index.clear()
+    assert len(index) == 0 and index.match(chain) == 0
+
+
+def test_a_shadow_index_needs_a_positive_capacity():
+    with pytest.raises(ValueError):
+        ShadowIndex(0)
+
+
+# --- BranchStats ---------------------------------------------------------------------------
+
+def test_a_block_followed_by_threshold_different_blocks_makes_the_key_reach_one_block_past_it():
+    threshold = 4
+    stats = BranchStats(threshold=threshold)
+    shared = fresh(3)  # the key should reach past block 2, the last shared one
+    branch = len(shared) - 1
+    conversations = [shared + fresh(3) for _ in range(threshold)]
+    for hashes in conversations[:-1]:
+        stats.record(hashes, depth=100)
+    # threshold - 1 continuations: not yet a shared prefix, the key is the first block.
+    assert stats.key_depth(conversations[0], max_depth=100) == 1
+    stats.record(conversations[-1], depth=100)
+    new = shared + fresh(3)
+    assert stats.key_depth(new, max_depth=100) == branch + 2  # through the first block after it
+    # A key limited to shallower depth does not see the branch.
+    assert stats.key_depth(new, max_depth=branch) == 1
+
+
+def test_record_depth_limits_which_blocks_learn_their_successors():
+    threshold = 2
+    stats = BranchStats(threshold=threshold)
+    shared = fresh(4)
+    for _ in range(threshold):
+        stats.record(shared + fresh(2), depth=2)  # learns successors of blocks 0 and 1 only
+    assert stats.key_depth(shared + fresh(2), max_depth=100) == 1  # block 3 never looked shared
+
+
+def test_nested_shared_prefixes_put_the_key_past_the_deepest_shared_block():
+    threshold = 3
+    stats = BranchStats(threshold=threshold)
+    system = fresh(4)  # every conversation starts with it
+    tool_lists = [fresh(3) for _ in range(threshold)]  # each shared by a subset
+    for tools in tool_lists:
+        for _ in range(threshold):
+            stats.record(system + tools + fresh(4), depth=100)
+    deepest_shared = len(system) + len(tool_lists[0]) - 1
+    for tools in tool_lists:
+        depth = stats.key_depth(system + tools + fresh(4), max_depth=100)
+        assert depth == deepest_shared + 2
+    # A conversation with a new tool list branches only after the system prompt.
+    assert stats.key_depth(system + fresh(6), max_depth=100) == len(system) + 1
+
+
+def test_a_prompt_ending_inside_a_shared_prefix_gets_a_key_depth_beyond_its_length():
+    threshold = 4
+    stats = BranchStats(threshold=threshold)
+    system = fresh(5)
+    for _ in range(threshold):
+        stats.record(system + fresh(2), depth=100)
+    depth = stats.key_depth(system, max_depth=100)
+    assert depth > len(system)
+    assert depth == len(system) + 1  # one past the shared prefix, which the prompt never reaches
+
+
+def test_branch_statistics_forget_the_least_recently_seen_blocks_beyond_max_blocks():
+    max_blocks = 10
+    stats = BranchStats(threshold=2, max_blocks=max_blocks)
+    early = fresh(3)
+    for _ in range(2):
+        stats.record(early + fresh(1), depth=100)
+    assert stats.key_depth(early + fresh(1), max_depth=100) == len(early) + 1
+    for _ in range(20):
+        stats.record(fresh(5), depth=100)
+        assert len(stats) <= max_blocks
+    assert len(stats) == max_blocks
+    # The early branch point was the least recently seen: it is forgotten.
+    assert stats.key_depth(early + fresh(1), max_depth=100) == 1
+
+
+def test_successor_sets_never_grow_beyond_the_threshold():
+    threshold = 3
+    stats = BranchStats(threshold=threshold)
+    shared = fresh(2)
+    for _ in range(50):
+        stats.record(shared + fresh(2), depth=100)
+    sizes = [len(successors) for successors in stats._next.values()]  # noqa: SLF001 - the bound itself
+    assert max(sizes) == threshold
+    assert all(size <= threshold for size in sizes)
+
+
+def test_real_chained_hashes_of_a_shared_system_prompt_branch_where_the_text_diverges():
+    seed = seed_hash("model")
+    block = 4
+    system = list(range(100, 100 + 3 * block))  # three full blocks
+    stats = BranchStats(threshold=2)
+    for user in (7, 8):
+        stats.record(block_hashes(system + [user] * block, block, seed), depth=100)
+    third = block_hashes(system + [9] * block, block, seed)
+    assert stats.key_depth(third, max_depth=100) == len(system) // block + 1
