@@ -98,20 +98,19 @@ def _forward_headers(request: web.Request) -> dict[str, str]:
 
 
 async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bool) -> web.StreamResponse:
-    """``POST /v1/completions`` and ``/v1/chat/completions``."""
+    """``POST /v1/completions`` and ``/v1/chat/completions``: read, route, forward."""
     raw = await _read_raw(request, gw.config.limits.max_body_bytes)
     if isinstance(raw, web.Response):
         return raw
     body = _parse(raw)
     if isinstance(body, web.Response):
         return body
-    session = _session_key(request, body, gw)
-    loop = asyncio.get_running_loop()
-    info: PromptInfo = await loop.run_in_executor(
-        gw.executor, analyze, body, chat, gw.tokenizer, gw.block_size, gw.config.routing.char_block_size, session)
     healthy = {r.name: ReplicaView(r.name, r.load, r.shadow) for r in gw.replicas.values() if r.healthy}
     if not healthy:
         return openai_error(503, "no healthy replica", type_="ServiceUnavailableError")
+    session = _session_key(request, body, gw)
+    info: PromptInfo = await asyncio.get_running_loop().run_in_executor(
+        gw.executor, analyze, body, chat, gw.tokenizer, gw.block_size, gw.config.routing.char_block_size, session)
     if gw.config.log_prompts:  # an operator's explicit choice (off by default)
         log.info("request conversation=%s units=%d body=%.500r", info.conversation, info.num_units, raw)
     started = time.perf_counter()
@@ -122,12 +121,28 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
     stream = body.get("stream") is True
     options = body.get("stream_options")
     client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
-    payload = _with_usage(raw, body, options) if stream and not client_wants_usage else raw
-    headers = _forward_headers(request)
-    headers["Content-Type"] = "application/json"
-    attempts = decision.candidates[: gw.config.upstream.max_retries + 1]
+    upstream_request = _Upstream(path, _with_usage(raw, body, options) if stream and not client_wants_usage else raw,
+                                 {**_forward_headers(request), "Content-Type": "application/json"},
+                                 stream, client_wants_usage)
+    return await _forward(request, gw, decision, info, upstream_request)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Upstream:
+    """What is sent to a replica, whichever replica it is."""
+
+    path: str
+    payload: bytes
+    headers: dict[str, str]
+    stream: bool
+    client_wants_usage: bool
+
+
+async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: PromptInfo,
+                   up: _Upstream) -> web.StreamResponse:
+    """Try the decision's candidates in order until one answers below 500 (retries bounded)."""
     last_error = "no replica answered"
-    for name in attempts:
+    for name in decision.candidates[: gw.config.upstream.max_retries + 1]:
         replica = gw.replicas[name]
         replica.sent_since_scrape += 1
         epoch = replica.scrape_epoch
@@ -140,23 +155,22 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
         added = replica.shadow.insert(info.hashes)
         t0 = time.perf_counter()
         try:
-            async with gw.http.post(replica.url + path, data=payload, headers=headers) as upstream:
-                if upstream.status >= 500:
-                    replica.shadow.forget(added)
-                    last_error = f"replica {name} answered {upstream.status}"
-                    gw.metrics.requests.labels(name, decision.route.value, str(upstream.status)).inc()
-                    continue
-                return await _relay(request, gw, upstream, name, decision, info, stream, client_wants_usage, t0)
+            async with gw.http.post(replica.url + up.path, data=up.payload, headers=up.headers) as upstream:
+                if upstream.status < 500:
+                    return await _relay(request, gw, upstream, name, decision, info, up, t0)
+                last_error = f"replica {name} answered {upstream.status}"
+                code = str(upstream.status)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-            replica.shadow.forget(added)
             last_error = f"replica {name}: {type(exc).__name__}"
-            gw.metrics.requests.labels(name, decision.route.value, "0").inc()
+            code = "0"
             log.warning("upstream %s failed (%s); trying the next replica", name, type(exc).__name__)
         finally:
             if replica.scrape_epoch == epoch:
                 replica.sent_since_scrape = max(replica.sent_since_scrape - 1, 0)
             replica.inflight -= 1
             gw.metrics.inflight.labels(name).set(replica.inflight)
+        replica.shadow.forget(added)
+        gw.metrics.requests.labels(name, decision.route.value, code).inc()
     return openai_error(502, last_error, type_="BadGatewayError")
 
 
@@ -167,13 +181,14 @@ def _retarget(decision: Decision, name: str) -> Decision:
 
 
 async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: str, decision: Decision,
-                 info: PromptInfo, stream: bool, client_wants_usage: bool, t0: float) -> web.StreamResponse:
+                 info: PromptInfo, up: _Upstream, t0: float) -> web.StreamResponse:
+    """Pass the replica's answer to the client (streams line by line), then account for it."""
     usage = None
     ttft = None
     status = upstream.status
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_RELAYED}
     headers[REPLICA_HEADER] = name
-    if not stream or upstream.status != 200:
+    if not up.stream or upstream.status != 200:
         data = await upstream.read()
         if upstream.status == 200:
             try:
@@ -196,7 +211,7 @@ async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: s
                         usage = json.loads(line[6:]).get("usage")
                     except ValueError:
                         pass
-                    if not client_wants_usage:
+                    if not up.client_wants_usage:
                         skip_blank = True
                         continue
                 elif ttft is None and line.startswith(b"data: {"):
