@@ -4,8 +4,9 @@
 bounded by the replica's KV capacity (``num_gpu_blocks``), so its memory is at most
 ``capacity`` entries (about 100 bytes each in CPython: 28,000 blocks, the default H100 replica,
 is under 3 MB). Blocks are added when a request is routed (vLLM makes them hittable as soon as
-they are scheduled) and touched when they hit; LRU approximates vLLM's "least recently freed
-first" eviction. The engine's reported ``cached_tokens`` corrects it after each request.
+they are scheduled) and touched when they hit; the generated tokens' blocks take their share of
+capacity when the request ends; LRU approximates vLLM's "least recently freed first" eviction.
+The engine's reported ``cached_tokens`` then tells a right prediction from an eviction.
 
 ``BranchStats``: for each block, up to ``threshold`` distinct next blocks seen after it. A
 block followed by many different continuations ends a prefix shared by many conversations
@@ -32,6 +33,7 @@ class ShadowIndex:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self._blocks: OrderedDict[BlockHash, None] = OrderedDict()
+        self._opaque = 0  # counter naming generated-token blocks
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -62,6 +64,26 @@ class ShadowIndex:
         while len(blocks) > self.capacity:
             blocks.popitem(last=False)
         return added
+
+    def add_output(self, num_blocks: int, prompt: Sequence[BlockHash]) -> None:
+        """Account for a finished request's generated blocks, then its prompt's.
+
+        vLLM caches generated tokens' blocks too; they are never hit by a new prompt but take
+        KV capacity. They enter as unique entries that only fill the LRU, and the prompt's
+        blocks are touched after them: a request's blocks are freed tail first, so its output
+        blocks are evicted before its prompt (``BlockPool.free_blocks``).
+        """
+        if num_blocks <= 0:
+            return
+        blocks = self._blocks
+        for _ in range(min(num_blocks, self.capacity)):
+            self._opaque = (self._opaque + 1) % (1 << 62)
+            blocks[BlockHash(-1 - self._opaque)] = None  # negative: never a real xxh3 digest
+        for h in prompt:
+            if h in blocks:
+                blocks.move_to_end(h)
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
 
     def forget(self, hashes: Sequence[BlockHash]) -> None:
         """Drop blocks the engine showed it no longer holds."""

@@ -246,6 +246,7 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, statu
     scale = (info.num_units / prompt_tokens) if (not info.exact and prompt_tokens) else 1.0
     cached_blocks = int(cached_tokens * scale) // unit
     to_tokens = unit / scale if scale else unit
+    gw.replicas[name].shadow.add_output(int(usage.get("completion_tokens") or 0) // gw.block_size, info.hashes)
     m.prompt_tokens.labels(name).inc(prompt_tokens)
     m.cached.labels(name).inc(cached_tokens)
     m.cached_predicted.labels(name).inc(min(int(decision.predicted_blocks * to_tokens), prompt_tokens))

@@ -182,3 +182,15 @@ def test_real_chained_hashes_of_a_shared_system_prompt_branch_where_the_text_div
         stats.record(block_hashes(system + [user] * block, block, seed), depth=100)
     third = block_hashes(system + [9] * block, block, seed)
     assert stats.key_depth(third, max_depth=100) == len(system) // block + 1
+
+
+def test_generated_blocks_take_capacity_and_are_evicted_before_their_prompt():
+    index = ShadowIndex(capacity=10)
+    old = [BlockHash(i) for i in range(1, 5)]
+    prompt = [BlockHash(i) for i in range(100, 104)]
+    index.insert(old)
+    index.insert(prompt)
+    index.add_output(4, prompt)  # 4 + 4 + 4 = 12 > 10: the two oldest entries go
+    assert index.match(prompt) == len(prompt)
+    assert index.match(old) == 0  # old[0] evicted: the chain is broken from its first block
+    assert len(index) == 10

@@ -222,7 +222,9 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     body = generate_latest(request.app[ENGINE].metrics.registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    response = web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    response.enable_compression()  # gzip when asked, as vLLM's prometheus-client endpoint does
+    return response
 
 
 def create_app(config: SimConfig, tokenizer: PromptTokenizer) -> web.Application:
