@@ -302,3 +302,40 @@ def test_usage_is_requested_from_the_engine_without_changing_anything_else(raw):
     assert {k: v for k, v in sent.items() if k != "stream_options"} == {k: v for k, v in body.items() if k != "stream_options"}
     assert {k: v for k, v in sent["stream_options"].items() if k != "include_usage"} == \
         {k: v for k, v in (body.get("stream_options") or {}).items() if k != "include_usage"}
+
+
+async def test_stream_chunks_reach_the_client_as_the_replica_sends_them(aiohttp_server, aiohttp_client):
+    import time
+
+    from aiohttp import web
+
+    release = asyncio.Event()
+
+    async def slow_stream(request):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"first"}}]}\n\n')
+        await release.wait()  # the rest only once the client has shown it saw the first chunk
+        await response.write(b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"second"}}]}\n\n'
+                             b"data: [DONE]\n\n")
+        return response
+
+    async def empty(request):
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", slow_stream)
+    app.router.add_get("/health", empty)
+    app.router.add_get("/metrics", empty)
+    upstream = await aiohttp_server(app)
+    config = config_from_dict({"replicas": [str(upstream.make_url("")).rstrip("/")]})
+    client = await aiohttp_client(create_app(config, ByteTokenizer()))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    resp = await client.post("/v1/chat/completions", json=body)
+    started = time.perf_counter()
+    first = await asyncio.wait_for(resp.content.readline(), timeout=5)
+    assert b"first" in first  # arrived while the replica still holds the rest: nothing buffered
+    release.set()
+    rest = await resp.text()
+    assert "second" in rest and rest.rstrip().endswith("[DONE]")
+    assert time.perf_counter() - started < 5
