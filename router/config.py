@@ -101,10 +101,11 @@ class IndexConfig:
     # LRU bound of each replica's shadow block index; None: the replica's num_gpu_blocks, as
     # the replica cannot hold more than that either
     max_blocks_per_replica: int | None = None
-    # LRU bound of the per-block branch statistics: ~100 B each, so ~100 MB at most
-    max_branch_blocks: int = 1_000_000
-    # conversations remembered to classify misses (cold / changed / routed); ~10 MB
-    max_conversations: int = 100_000
+    # LRU bound of the per-block branch statistics: ~170 B each (measured), so < 100 MB
+    max_branch_blocks: int = 500_000
+    # conversations remembered to classify misses (changed needs the previous request's block
+    # hashes): ~4 KB each for 8k-token prompts (measured), so ~80 MB at most for such traffic
+    max_conversations: int = 20_000
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -3,8 +3,7 @@
 A conversation is identified by the client's session key or, without one, by the prompt up to
 the end of its first user message (chat), or its first block (completions). For each
 conversation the gateway remembers the previous request's block hashes and a hash per message
-(``max_conversations`` entries, LRU; each a few KB: the hashes of an 8k-token prompt in
-16-token blocks are 512 integers).
+(``max_conversations`` entries, LRU; about 4 KB for an 8k-token prompt in 16-token blocks).
 
 ``classify`` decides, once the engine reported ``cached_tokens``, in this order:
 
@@ -23,6 +22,7 @@ Lost tokens are what the better outcome would have reused, in tokens.
 from __future__ import annotations
 
 import enum
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,10 +42,15 @@ class CacheResult(str, enum.Enum):
 
 @dataclass(slots=True)
 class Conversation:
-    """The previous request of one conversation."""
+    """The previous request of one conversation: 8 bytes a block and a message (``array``),
+    so an 8k-token prompt in 16-token blocks costs about 4 KB."""
 
-    hashes: tuple[BlockHash, ...]
-    message_hashes: tuple[int, ...]  # the tool list's hash, then one per message
+    hashes: array  # "Q": the block hashes
+    message_hashes: array  # "Q": the tool list's hash, then one per message
+
+    @classmethod
+    def of(cls, hashes: Sequence[BlockHash], message_hashes: Sequence[int]) -> Conversation:
+        return cls(array("Q", hashes), array("Q", message_hashes))
 
 
 @dataclass(slots=True)

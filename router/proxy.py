@@ -262,4 +262,4 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, statu
         m.lost_tokens.labels(name, cause).inc(int(verdict.lost_tokens * to_tokens))
     if verdict.result is CacheResult.MISS_CHANGED:
         gw.record_change(verdict, int(verdict.diverged_block * to_tokens))
-    gw.conversations.put(conversation, Conversation(tuple(info.hashes), info.message_hashes))
+    gw.conversations.put(conversation, Conversation.of(info.hashes, info.message_hashes))

@@ -20,12 +20,12 @@ def verdict(hashes, *, previous=None, message_hashes=(), cached=0, predicted=0, 
 
 # --- changed ------------------------------------------------------------------------------
 
-PREVIOUS = Conversation(chain(1, 2, 3, 4, 5), (TOOLS, SYSTEM, USER1))
+PREVIOUS = Conversation.of(chain(1, 2, 3, 4, 5), (TOOLS, SYSTEM, USER1))
 
 
 def rewritten(shared: int, extra: int = 3) -> tuple[int, ...]:
     """The previous chain with everything from block ``shared`` on replaced."""
-    return PREVIOUS.hashes[:shared] + tuple(100 + i for i in range(extra + len(PREVIOUS.hashes) - shared))
+    return tuple(PREVIOUS.hashes[:shared]) + tuple(100 + i for i in range(extra + len(PREVIOUS.hashes) - shared))
 
 
 def test_a_request_diverging_inside_what_was_sent_before_with_the_hit_stopping_there_is_changed():
@@ -77,8 +77,8 @@ def test_a_changed_system_prompt_reports_message_index_zero():
 
 
 def test_an_append_only_next_turn_is_not_changed_even_when_it_misses():
-    hashes = PREVIOUS.hashes + chain(6, 7, 8)
-    messages = PREVIOUS.message_hashes + (ASSISTANT1, USER2)
+    hashes = tuple(PREVIOUS.hashes) + chain(6, 7, 8)
+    messages = tuple(PREVIOUS.message_hashes) + (ASSISTANT1, USER2)
     for cached, predicted, best, expected in [
         (0, 0, 0, CacheResult.MISS_COLD),
         (0, len(PREVIOUS.hashes), len(PREVIOUS.hashes), CacheResult.MISS_EVICTED),
@@ -136,7 +136,7 @@ def test_conversations_keep_at_most_max_conversations_dropping_the_least_recentl
     limit = 3
     memory = Conversations(limit)
     for i in range(limit + 2):
-        memory.put(f"c{i}", Conversation(chain(i), ()))
+        memory.put(f"c{i}", Conversation.of(chain(i), ()))
         assert len(memory) <= limit
     assert len(memory) == limit
     assert memory.get("c0") is None and memory.get("c1") is None
@@ -145,10 +145,10 @@ def test_conversations_keep_at_most_max_conversations_dropping_the_least_recentl
 
 def test_putting_a_conversation_again_refreshes_it_and_replaces_its_previous_request():
     memory = Conversations(2)
-    memory.put("a", Conversation(chain(1), ()))
-    memory.put("b", Conversation(chain(2), ()))
-    memory.put("a", Conversation(chain(1, 3), ()))  # the next turn of "a"
-    memory.put("c", Conversation(chain(4), ()))
+    memory.put("a", Conversation.of(chain(1), ()))
+    memory.put("b", Conversation.of(chain(2), ()))
+    memory.put("a", Conversation.of(chain(1, 3), ()))  # the next turn of "a"
+    memory.put("c", Conversation.of(chain(4), ()))
     assert memory.get("b") is None
-    assert memory.get("a").hashes == chain(1, 3)
+    assert tuple(memory.get("a").hashes) == chain(1, 3)
     assert len(memory) == 2

@@ -162,15 +162,17 @@ def test_branch_statistics_forget_the_least_recently_seen_blocks_beyond_max_bloc
     assert stats.key_depth(early + fresh(1), max_depth=100) == 1
 
 
-def test_successor_sets_never_grow_beyond_the_threshold():
+def test_a_block_is_shared_exactly_when_threshold_different_successors_were_seen():
     threshold = 3
     stats = BranchStats(threshold=threshold)
     shared = fresh(2)
-    for _ in range(50):
+    for seen in range(1, 6):
         stats.record(shared + fresh(2), depth=100)
-    sizes = [len(successors) for successors in stats._next.values()]  # noqa: SLF001 - the bound itself
-    assert max(sizes) == threshold
-    assert all(size <= threshold for size in sizes)
+        # block shared[1] has had `seen` different successors so far
+        assert stats.is_shared(shared[1]) == (seen >= threshold)
+    assert not stats.is_shared(shared[0])  # always followed by the same block
+    stored = [v for v in stats._next.values() if isinstance(v, set)]  # noqa: SLF001 - the memory bound
+    assert all(len(v) < threshold for v in stored)
 
 
 def test_real_chained_hashes_of_a_shared_system_prompt_branch_where_the_text_diverges():
