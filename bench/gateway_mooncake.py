@@ -63,7 +63,10 @@ def pooled_hit_rate(requests, num_gpu_blocks: int, block_size: int) -> float:
 
 def run_policy(policy: str, requests, args, log_dir: Path) -> dict:
     sim_args = ["--model", MODEL, "--num-blocks", str(args.num_blocks), "--time-scale", str(args.time_scale)]
-    with fleet(args.replicas, log_dir, sim_args) as urls, gateway(urls, log_dir, ["--policy", policy]) as gw:
+    extra = ["--policy", policy]
+    if args.gateway_config:
+        extra += ["--config", str(args.gateway_config)]
+    with fleet(args.replicas, log_dir, sim_args) as urls, gateway(urls, log_dir, extra) as gw:
         started = time.perf_counter()
         records = asyncio.run(replay(requests, gw, model=MODEL, time_scale=args.time_scale))
         wall = time.perf_counter() - started
@@ -101,6 +104,7 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--time-scale", type=float, default=20.0)
     parser.add_argument("--policies", default="prefix-affinity,round-robin")
+    parser.add_argument("--gateway-config", type=Path, default=None, help="YAML for the gateway (routing knobs)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gateway_mooncake")
     args = parser.parse_args()
     if not args.trace.exists():
