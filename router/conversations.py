@@ -1,7 +1,9 @@
 """Why did a request miss? Conversation memory and the miss classification.
 
 A conversation is identified by the client's session key or, without one, by the prompt up to
-the end of its first user message (chat), or its first block (completions). For each
+the end of its first user message (chat). A completion without a session key has none: in
+token ids a client rewriting its prompt and two requests sharing a document then branching
+look alike (the Mooncake traces are full of the latter), so it is never called changed. For each
 conversation the gateway remembers the previous request's block hashes and a hash per message
 (``max_conversations`` entries, LRU; about 4 KB for an 8k-token prompt in 16-token blocks).
 

@@ -63,7 +63,7 @@ class Decision:
     best_blocks: int = 0  # most blocks any replica is believed to hold
     best_replica: str | None = None
     key_depth: int = 0
-    key: str = ""  # the ring key: also names a completion prompt's conversation
+    key: str = ""  # the ring key
     spilled_from: str | None = None  # the ring owner, when the route is spill
     matches: dict[str, int] = field(default_factory=dict)
 

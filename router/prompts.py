@@ -28,8 +28,10 @@ class PromptInfo:
     num_units: int  # tokens (or characters without a tokenizer)
     exact: bool  # True when units are the engine's tokens
     message_hashes: tuple[int, ...]  # tools, then each message (chat); () for completions
-    conversation: str  # session key or first user message; "" for completions (the proxy
-    # then uses the routing key: the first block specific to the conversation)
+    # Session key, else the first user message (chat). "" for a completion without a session
+    # key: token ids alone cannot tell a client rewriting its prompt from two requests that
+    # share a document and branch, so such requests are never called miss_changed.
+    conversation: str
 
 
 def _digest(value) -> int:

@@ -250,8 +250,8 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, statu
     m.prompt_tokens.labels(name).inc(prompt_tokens)
     m.cached.labels(name).inc(cached_tokens)
     m.cached_predicted.labels(name).inc(min(int(decision.predicted_blocks * to_tokens), prompt_tokens))
-    conversation = info.conversation or decision.key
-    previous = gw.conversations.get(conversation)
+    conversation = info.conversation  # "" for a completion without a session key: see prompts.py
+    previous = gw.conversations.get(conversation) if conversation else None
     verdict = classify(hashes=info.hashes, message_hashes=info.message_hashes, previous=previous,
                        cached_blocks=cached_blocks, predicted_blocks=decision.predicted_blocks,
                        best_blocks=decision.best_blocks, max_hit_blocks=max((info.num_units - 1) // unit, 0),
@@ -262,4 +262,5 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, statu
         m.lost_tokens.labels(name, cause).inc(int(verdict.lost_tokens * to_tokens))
     if verdict.result is CacheResult.MISS_CHANGED:
         gw.record_change(verdict, int(verdict.diverged_block * to_tokens))
-    gw.conversations.put(conversation, Conversation.of(info.hashes, info.message_hashes))
+    if conversation:
+        gw.conversations.put(conversation, Conversation.of(info.hashes, info.message_hashes))

@@ -339,3 +339,16 @@ async def test_stream_chunks_reach_the_client_as_the_replica_sends_them(aiohttp_
     rest = await resp.text()
     assert "second" in rest and rest.rstrip().endswith("[DONE]")
     assert time.perf_counter() - started < 5
+
+
+async def test_completions_that_branch_from_a_shared_document_are_not_called_changed(fleet, gateway):
+    client = await gateway(await fleet(2))
+    rng = random.Random(10)
+    document = [rng.randrange(100, 30_000) for _ in range(400)]
+    for question in range(4):  # one document, four different questions after it
+        prompt = document + [rng.randrange(100, 30_000) for _ in range(40)]
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+        assert resp.status == 200
+    metrics = await (await client.get("/metrics")).text()
+    assert metric(metrics, "prefix_router_cache_requests_total", result="miss_changed") == 0
+    assert metric(metrics, "prefix_router_cache_requests_total", result="hit") == 3
