@@ -15,7 +15,8 @@ conversation the gateway remembers the previous request's block hashes and a has
   history trimmed in place. Reported with the block where it diverged and the message index.
 - ``miss_routed``: another replica was believed to hold more of the prompt than the engine
   served (the gateway sent it elsewhere: spill, fallback, no affinity).
-- ``miss_evicted``: the chosen replica was believed to hold more than it served (LRU pressure).
+- ``miss_evicted``: the chosen replica held more than it served: believed cached, or evicted
+  lately from the shadow index's LRU (its ghost list). The KV cache is short for the traffic.
 - ``miss_cold``: nothing of the prompt was known anywhere.
 - ``hit``: the engine served at least the longest prefix known anywhere.
 Lost tokens are what the better outcome would have reused, in tokens.
@@ -94,8 +95,13 @@ def _common(a: Sequence, b: Sequence) -> int:
 
 def classify(*, hashes: Sequence[BlockHash], message_hashes: Sequence[int], previous: Conversation | None,
              cached_blocks: int, predicted_blocks: int, best_blocks: int, max_hit_blocks: int,
-             block_size: int) -> Verdict:
-    """Classify one request's cache outcome (see the module docstring). Counts in blocks."""
+             block_size: int, held_blocks: int = 0) -> Verdict:
+    """Classify one request's cache outcome (see the module docstring). Counts in blocks.
+
+    ``predicted_blocks``: what the chosen replica was believed to hold; ``held_blocks``: what it
+    held now or until lately (the shadow index's ghost list); ``best_blocks``: the most any
+    replica was believed to hold.
+    """
     if previous is not None:
         reusable = min(len(previous.hashes), max_hit_blocks)
         shared = _common(hashes, previous.hashes)
@@ -104,8 +110,9 @@ def classify(*, hashes: Sequence[BlockHash], message_hashes: Sequence[int], prev
             return Verdict(CacheResult.MISS_CHANGED, (reusable - shared) * block_size, shared, message)
     if best_blocks > cached_blocks and best_blocks > predicted_blocks:
         return Verdict(CacheResult.MISS_ROUTED, (best_blocks - cached_blocks) * block_size)
-    if predicted_blocks > cached_blocks:
-        return Verdict(CacheResult.MISS_EVICTED, (predicted_blocks - cached_blocks) * block_size)
+    held = max(predicted_blocks, held_blocks)
+    if held > cached_blocks:
+        return Verdict(CacheResult.MISS_EVICTED, (held - cached_blocks) * block_size)
     if cached_blocks == 0 and best_blocks == 0:
         return Verdict(CacheResult.MISS_COLD)
     return Verdict(CacheResult.HIT)

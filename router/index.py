@@ -2,8 +2,8 @@
 
 ``ShadowIndex``: the block chains one replica is believed to hold. An LRU set of block hashes
 bounded by the replica's KV capacity (``num_gpu_blocks``), so its memory is at most
-``capacity`` entries (about 100 bytes each in CPython: 28,000 blocks, the default H100 replica,
-is under 3 MB). Blocks are added when a request is routed (vLLM makes them hittable as soon as
+``capacity`` entries, plus as many recently evicted ones (about 100 bytes each in CPython: 28,000 blocks, the default H100 replica,
+is under 6 MB). Blocks are added when a request is routed (vLLM makes them hittable as soon as
 they are scheduled) and touched when they hit; the generated tokens' blocks take their share of
 capacity when the request ends; LRU approximates vLLM's "least recently freed first" eviction.
 The engine's reported ``cached_tokens`` then tells a right prediction from an eviction.
@@ -34,6 +34,7 @@ class ShadowIndex:
         self.capacity = capacity
         self._blocks: OrderedDict[BlockHash, None] = OrderedDict()
         self._opaque = 0  # counter naming generated-token blocks
+        self._ghosts: OrderedDict[BlockHash, None] = OrderedDict()  # evicted lately, newest last
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -61,8 +62,7 @@ class ShadowIndex:
             else:
                 blocks[h] = None
                 added.append(h)
-        while len(blocks) > self.capacity:
-            blocks.popitem(last=False)
+        self._evict_over_capacity()
         return added
 
     def add_output(self, num_blocks: int, prompt: Sequence[BlockHash]) -> None:
@@ -82,13 +82,33 @@ class ShadowIndex:
         for h in prompt:
             if h in blocks:
                 blocks.move_to_end(h)
-        while len(blocks) > self.capacity:
-            blocks.popitem(last=False)
+        self._evict_over_capacity()
 
     def forget(self, hashes: Sequence[BlockHash]) -> None:
         """Drop blocks the engine showed it no longer holds."""
         for h in hashes:
             self._blocks.pop(h, None)
+
+    def match_ever(self, hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks believed cached now or evicted lately (a ghost list of ``capacity``
+        entries, as in ARC): a prompt the replica held until LRU pressure took it. Lets the
+        gateway call such a miss ``miss_evicted`` rather than cold."""
+        blocks, ghosts = self._blocks, self._ghosts
+        n = 0
+        for h in hashes:
+            if h not in blocks and h not in ghosts:
+                break
+            n += 1
+        return n
+
+    def _evict_over_capacity(self) -> None:
+        blocks, ghosts = self._blocks, self._ghosts
+        while len(blocks) > self.capacity:
+            h, _ = blocks.popitem(last=False)
+            if h >= 0:  # generated-token blocks are never looked up
+                ghosts[h] = None
+        while len(ghosts) > self.capacity:
+            ghosts.popitem(last=False)
 
     def resize(self, capacity: int) -> None:
         """Adopt a capacity learned from the replica's metrics."""
@@ -98,6 +118,7 @@ class ShadowIndex:
     def clear(self) -> None:
         """The replica restarted or its cache was reset."""
         self._blocks.clear()
+        self._ghosts.clear()
 
 
 class BranchStats:

@@ -64,6 +64,7 @@ class Decision:
     best_replica: str | None = None
     key_depth: int = 0
     key: str = ""  # the ring key
+    held_blocks: int = 0  # blocks the chosen replica held now or lately (set by the proxy)
     spilled_from: str | None = None  # the ring owner, when the route is spill
     matches: dict[str, int] = field(default_factory=dict)
 

@@ -150,6 +150,8 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
         gw.metrics.inflight.labels(name).set(replica.inflight)
         if name != decision.replica:
             decision = _retarget(decision, name)
+        max_hit = max((info.num_units - 1) // gw.unit_block_size(info), 0)
+        decision = dataclasses.replace(decision, held_blocks=min(replica.shadow.match_ever(info.hashes), max_hit))
         # vLLM makes blocks hittable as soon as they are scheduled: count them at once, so a
         # burst of one prefix sees it; take back what this attempt added if it fails.
         added = replica.shadow.insert(info.hashes)
@@ -255,7 +257,7 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, statu
     verdict = classify(hashes=info.hashes, message_hashes=info.message_hashes, previous=previous,
                        cached_blocks=cached_blocks, predicted_blocks=decision.predicted_blocks,
                        best_blocks=decision.best_blocks, max_hit_blocks=max((info.num_units - 1) // unit, 0),
-                       block_size=1)
+                       block_size=1, held_blocks=decision.held_blocks)
     m.cache_requests.labels(name, verdict.result.value).inc()
     if verdict.lost_tokens:
         cause = verdict.result.value.removeprefix("miss_")

@@ -12,10 +12,11 @@ def chain(*blocks: int) -> tuple[int, ...]:
     return tuple(blocks)
 
 
-def verdict(hashes, *, previous=None, message_hashes=(), cached=0, predicted=0, best=0, max_hit=None):
+def verdict(hashes, *, previous=None, message_hashes=(), cached=0, predicted=0, best=0, max_hit=None, held=0):
     return classify(hashes=hashes, message_hashes=message_hashes, previous=previous, cached_blocks=cached,
                     predicted_blocks=predicted, best_blocks=best,
-                    max_hit_blocks=len(hashes) if max_hit is None else max_hit, block_size=BLOCK)
+                    max_hit_blocks=len(hashes) if max_hit is None else max_hit, block_size=BLOCK,
+                    held_blocks=held)
 
 
 # --- changed ------------------------------------------------------------------------------
@@ -152,3 +153,10 @@ def test_putting_a_conversation_again_refreshes_it_and_replaces_its_previous_req
     assert memory.get("b") is None
     assert tuple(memory.get("a").hashes) == chain(1, 3)
     assert len(memory) == 2
+
+
+def test_a_prefix_evicted_from_the_shadow_index_lately_is_a_miss_evicted_not_a_hit():
+    hashes = chain(1, 2, 3, 4)
+    v = verdict(hashes, cached=1, predicted=1, best=1, held=3)
+    assert v.result is CacheResult.MISS_EVICTED
+    assert v.lost_tokens == (3 - 1) * BLOCK

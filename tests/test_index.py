@@ -196,3 +196,14 @@ def test_generated_blocks_take_capacity_and_are_evicted_before_their_prompt():
     assert index.match(prompt) == len(prompt)
     assert index.match(old) == 0  # old[0] evicted: the chain is broken from its first block
     assert len(index) == 10
+
+
+def test_blocks_evicted_lately_are_still_recognised_as_once_held():
+    index = ShadowIndex(capacity=4)
+    old = [BlockHash(i) for i in range(1, 5)]
+    index.insert(old)
+    index.insert([BlockHash(i) for i in range(10, 14)])  # pushes `old` out
+    assert index.match(old) == 0
+    assert index.match_ever(old) == len(old)
+    index.clear()
+    assert index.match_ever(old) == 0
