@@ -35,6 +35,11 @@ class PromptInfo:
 
 
 def _digest(value) -> int:
+    """A stable hash of one message (or the tool list): text content hashed as it is, anything
+    else through JSON, so long messages are not re-serialised."""
+    if isinstance(value, dict) and isinstance(value.get("content"), str) and len(value) == 2 and "role" in value:
+        return xxhash.xxh3_64_intdigest(value["content"].encode("utf-8", "surrogatepass"),
+                                        xxhash.xxh3_64_intdigest(str(value["role"]).encode("utf-8", "surrogatepass")))
     return xxhash.xxh3_64_intdigest(json.dumps(value, separators=(",", ":"), default=str).encode("utf-8", "surrogatepass"))
 
 

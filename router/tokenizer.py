@@ -215,21 +215,24 @@ class HFTokenizer:
             boundaries.append((start, digest.intdigest()))
         known: array | None = None
         cut = 0
+        num_known = 0  # boundaries inside the known prefix
         with self._lock:
-            for end, key in reversed(boundaries):
-                known = self._prefixes.get(key)
+            for i in range(len(boundaries) - 1, -1, -1):
+                known = self._prefixes.get(boundaries[i][1])
                 if known is not None:
-                    self._prefixes.move_to_end(key)
-                    cut = end
+                    self._prefixes.move_to_end(boundaries[i][1])
+                    cut, num_known = boundaries[i][0], i + 1
                     break
         ids = list(known) if known is not None else []
+        start = len(ids)
         ids.extend(self._backend.encode(text[cut:], add_special_tokens=False).ids)
-        if boundaries and boundaries[-1][0] > cut:
-            count = len(boundaries)  # special tokens up to the last boundary
-            for index, token in enumerate(ids):
-                if token in self._special_ids:
-                    count -= 1
-                    if count == 0:
+        remaining = len(boundaries) - num_known  # special tokens in the new tail, up to the last
+        if remaining:
+            special = self._special_ids
+            for index in range(start, len(ids)):
+                if ids[index] in special:
+                    remaining -= 1
+                    if remaining == 0:
                         self._remember(boundaries[-1][1], ids[: index + 1])
                         break
         return ids
