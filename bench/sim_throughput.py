@@ -30,13 +30,9 @@ from pathlib import Path
 
 import aiohttp
 
+from .fleet import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pinned(cmd: list[str], core: int) -> list[str]:
@@ -88,7 +84,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sim_throughput.json")
     args = parser.parse_args()
 
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     sim = subprocess.Popen(_pinned([sys.executable, "-m", "router.cli", "sim", "--port", str(port),
                                     "--model", "sim", "--time-scale", str(args.time_scale)], 0),

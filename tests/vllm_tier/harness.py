@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from bench.fleet import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared"
@@ -64,12 +65,6 @@ def tiny_model() -> Path:
     return MODEL_DIR
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def get(url: str, timeout: float = 5.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return resp.read()
@@ -99,15 +94,6 @@ def cache_config(base: str) -> dict[str, str]:
     text = get(base + "/metrics").decode()
     line = next(l for l in text.splitlines() if l.startswith("vllm:cache_config_info{"))
     return dict(re.findall(r'(\w+)="([^"]*)"', line))
-
-
-def metric_value(base: str, name: str) -> float:
-    """Sum of a metric's samples on a replica's /metrics (e.g. ``vllm:prefix_cache_hits_total``)."""
-    total = 0.0
-    for line in get(base + "/metrics").decode().splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 @contextmanager
