@@ -75,6 +75,10 @@ class Gateway:
         """Units per block for this prompt: tokens with a tokenizer, characters without."""
         return self.block_size if info.exact else self.config.routing.char_block_size
 
+    def max_hit_blocks(self, info: PromptInfo) -> int:
+        """Blocks the engine can hit at most: never the last prompt token (vLLM's cap)."""
+        return max((info.num_units - 1) // self.unit_block_size(info), 0)
+
     def sync_ring(self) -> None:
         """Healthy replicas on the ring, unhealthy ones off; export health and queue depth."""
         for replica in self.replicas.values():

@@ -114,8 +114,7 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
     if gw.config.log_prompts:  # an operator's explicit choice (off by default)
         log.info("request conversation=%s units=%d body=%.500r", info.conversation, info.num_units, raw)
     started = time.perf_counter()
-    max_hit = max((info.num_units - 1) // gw.unit_block_size(info), 0)
-    decision = gw.policy.select(info.hashes, info.full_hash, healthy, session, max_hit)
+    decision = gw.policy.select(info.hashes, info.full_hash, healthy, session, gw.max_hit_blocks(info))
     gw.metrics.routing_seconds.observe(time.perf_counter() - started)
     gw.branches.record(info.hashes, gw.config.routing.max_key_blocks)
     stream = body.get("stream") is True
@@ -150,8 +149,8 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
         gw.metrics.inflight.labels(name).set(replica.inflight)
         if name != decision.replica:
             decision = _retarget(decision, name)
-        max_hit = max((info.num_units - 1) // gw.unit_block_size(info), 0)
-        decision = dataclasses.replace(decision, held_blocks=min(replica.shadow.match_ever(info.hashes), max_hit))
+        held = min(replica.shadow.match_ever(info.hashes), gw.max_hit_blocks(info))
+        decision = dataclasses.replace(decision, held_blocks=held)
         # vLLM makes blocks hittable as soon as they are scheduled: count them at once, so a
         # burst of one prefix sees it; take back what this attempt added if it fails.
         added = replica.shadow.insert(info.hashes)
@@ -256,7 +255,7 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, statu
     previous = gw.conversations.get(conversation) if conversation else None
     verdict = classify(hashes=info.hashes, message_hashes=info.message_hashes, previous=previous,
                        cached_blocks=cached_blocks, predicted_blocks=decision.predicted_blocks,
-                       best_blocks=decision.best_blocks, max_hit_blocks=max((info.num_units - 1) // unit, 0),
+                       best_blocks=decision.best_blocks, max_hit_blocks=gw.max_hit_blocks(info),
                        block_size=1, held_blocks=decision.held_blocks)
     m.cache_requests.labels(name, verdict.result.value).inc()
     if verdict.lost_tokens:
