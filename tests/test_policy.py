@@ -101,22 +101,32 @@ def test_an_owner_just_below_the_spill_queue_depth_keeps_the_request():
 
 
 def test_an_owner_above_load_factor_times_the_mean_plus_one_spills_even_below_the_queue_depth():
-    config = RoutingConfig(spill_queue_depth=1000, load_factor=1.5)
+    config = RoutingConfig(spill_queue_depth=16, load_factor=1.5)
     other = 2
-    # Smallest owner load over the bound: load > f * (load + 3 * other) / 4 + 1.
     n = len(NAMES)
-    owner_load = next(x for x in range(1000)
-                      if x > config.load_factor * (x + (n - 1) * other) / n + 1)
-    policy, ring, views, hashes, owner = _owner_and_views(config, owner_load, other)
+    floor = config.spill_queue_depth / 2  # the relative rule needs half the depth queued
+
+    def over_relative(x):  # x > f * (x + 3 * other) / 4 + 1
+        return x > config.load_factor * (x + (n - 1) * other) / n + 1
+
+    owner_load = next(x for x in range(1000) if x >= floor and over_relative(x))
     assert owner_load < config.spill_queue_depth
+    policy, ring, views, hashes, owner = _owner_and_views(config, owner_load, other)
     d = select(policy, hashes, views)
     assert d.route is Route.SPILL and d.spilled_from == owner
     assert d.replica == ring.candidates(d.key)[1]
-    # One request less and the owner is within the bound again.
-    views[owner].load = owner_load - 1
-    mean = sum(v.load for v in views.values()) / n
-    assert owner_load - 1 <= config.load_factor * mean + 1
-    assert select(policy, hashes, views).replica == owner
+
+
+def test_a_small_load_above_the_relative_bound_but_below_half_the_depth_does_not_spill():
+    config = RoutingConfig(spill_queue_depth=16, load_factor=1.5)
+    n = len(NAMES)
+    # An idle fleet and two requests on the owner: over 1.5 x mean + 1, yet not a queue.
+    owner_load, other = 2, 0
+    assert owner_load > config.load_factor * (owner_load + (n - 1) * other) / n + 1
+    assert 2 * owner_load < config.spill_queue_depth
+    policy, _, views, hashes, owner = _owner_and_views(config, owner_load, other)
+    d = select(policy, hashes, views)
+    assert d.replica == owner and d.route is Route.AFFINITY
 
 
 def test_the_spill_walks_the_ring_past_every_overloaded_candidate():
