@@ -16,7 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .config import GatewayConfig
 from .gateway import Gateway
-from .proxy import REPLICA_HEADER, handle_generate, openai_error
+from .errors import openai_error
+from .proxy import REPLICA_HEADER, handle_generate
 from .replicas import poll_health, poll_metrics, scrape_once
 from .tokenizer import PromptTokenizer
 

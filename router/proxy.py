@@ -28,11 +28,12 @@ import aiohttp
 from aiohttp import web
 
 from .conversations import CacheResult, Conversation, classify
+from .errors import error_body, openai_error
 from .gateway import Gateway
 from .policy import Decision, ReplicaView, Route
 from .prompts import PromptInfo, analyze
 
-__all__ = ["handle_generate", "openai_error", "REPLICA_HEADER"]
+__all__ = ["handle_generate", "REPLICA_HEADER"]
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +42,6 @@ _NOT_RELAYED = {"content-length", "content-encoding", "transfer-encoding", "conn
                 "server", "date"}  # aiohttp sets its own
 _HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
                "proxy-authorization", "proxy-connection", "te", "trailer", "accept-encoding"}
-
-
-def openai_error(status: int, message: str, param: str | None = None, type_: str | None = None) -> web.Response:
-    """An OpenAI-style error response."""
-    kind = type_ or {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
-                     503: "ServiceUnavailableError", 502: "BadGatewayError"}.get(status, "Error")
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                             status=status)
 
 
 async def _read_raw(request: web.Request, limit: int) -> bytes | web.Response:
@@ -221,8 +214,7 @@ async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: s
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # Bytes already reached the client: no retry; end the stream with an error event.
             log.warning("stream from %s ended early: %s", name, type(exc).__name__)
-            error = {"error": {"message": f"replica {name} stopped streaming ({type(exc).__name__})",
-                               "type": "BadGatewayError", "param": None, "code": 502}}
+            error = error_body(502, f"replica {name} stopped streaming ({type(exc).__name__})")
             await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
             status = 502
         await response.write_eof()

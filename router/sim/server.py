@@ -22,6 +22,7 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..errors import openai_error
 from ..tokenizer import ChatFormatError, PromptTokenizer
 from .config import SimConfig
 from .engine import Engine
@@ -38,8 +39,7 @@ _ids = itertools.count()
 
 
 def _error(exc: ApiError) -> web.Response:
-    body = {"error": {"message": str(exc), "type": exc.type, "param": exc.param, "code": exc.status}}
-    return web.json_response(body, status=exc.status)
+    return openai_error(exc.status, str(exc), exc.param, exc.type)
 
 
 async def _read_json(request: web.Request) -> dict:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from bench.fleet import free_port
+from router.replicas import parse_engine_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared"
@@ -90,10 +90,8 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float, log: Path)
 
 
 def cache_config(base: str) -> dict[str, str]:
-    """Labels of ``vllm:cache_config_info`` from a replica's /metrics."""
-    text = get(base + "/metrics").decode()
-    line = next(l for l in text.splitlines() if l.startswith("vllm:cache_config_info{"))
-    return dict(re.findall(r'(\w+)="([^"]*)"', line))
+    """Labels of ``vllm:cache_config_info`` from a replica's /metrics (the gateway's parser)."""
+    return parse_engine_metrics(get(base + "/metrics").decode())["cache_config"]
 
 
 @contextmanager

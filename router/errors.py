@@ -1,0 +1,25 @@
+"""OpenAI-style error bodies, as vLLM and the OpenAI API send them, for the gateway and the simulator.
+
+``{"error": {"message", "type", "param", "code"}}`` with the HTTP status as ``code``; the type
+names follow vLLM's (``BadRequestError``, ``NotFoundError``...).
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+__all__ = ["error_body", "openai_error"]
+
+_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
+          502: "BadGatewayError", 503: "ServiceUnavailableError"}
+
+
+def error_body(status: int, message: str, param: str | None = None, type_: str | None = None) -> dict:
+    """The error object; ``type_`` defaults to the status's usual name."""
+    return {"error": {"message": message, "type": type_ or _TYPES.get(status, "Error"), "param": param,
+                      "code": status}}
+
+
+def openai_error(status: int, message: str, param: str | None = None, type_: str | None = None) -> web.Response:
+    """An error response with that body and status."""
+    return web.json_response(error_body(status, message, param, type_), status=status)
