@@ -3,13 +3,16 @@ PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
 
-.PHONY: test test-fast vllm-env bench-sim clean
+.PHONY: venv test test-fast vllm-env bench-sim clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $@
+
+# The project alone (no vLLM engine, no tests run): about a minute.
+venv: $(VENV)/.installed
 
 # The real vLLM engine (CPU build) for the real-engine tests: about 4 minutes, 3.5 GB.
 $(VLLM_VENV)/.installed: tests/vllm_tier/make_env.sh

@@ -238,6 +238,10 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, statu
     unit = gw.unit_block_size(info)
     scale = (info.num_units / prompt_tokens) if (not info.exact and prompt_tokens) else 1.0
     cached_blocks = int(cached_tokens * scale) // unit
+    if not info.exact and cached_tokens:
+        # Character blocks straddle the engine's token blocks: allow one block of rounding, or a
+        # full hit reads as an eviction of its last block.
+        cached_blocks = min(cached_blocks + 1, gw.max_hit_blocks(info))
     to_tokens = unit / scale if scale else unit
     gw.replicas[name].shadow.add_output(int(usage.get("completion_tokens") or 0) // gw.block_size, info.hashes)
     m.prompt_tokens.labels(name).inc(prompt_tokens)
