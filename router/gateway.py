@@ -52,11 +52,8 @@ class Gateway:
         self.replicas: dict[str, ReplicaState] = {}
         for rc in config.replicas:
             state = ReplicaState(rc, replica_name(rc.url), block_size=rc.block_size, num_gpu_blocks=rc.num_gpu_blocks)
-            if rc.num_gpu_blocks:
-                state.shadow.resize(config.index.max_blocks_per_replica or rc.num_gpu_blocks)
             self.replicas[state.name] = state
-            self.ring.add(state.name, rc.weight)
-            self.metrics.healthy.labels(state.name).set(1)
+        self.sync_ring()  # every replica starts healthy, so on the ring
         self.change_sites: Counter[tuple[int, int]] = Counter()
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.http: aiohttp.ClientSession | None = None
@@ -80,7 +77,8 @@ class Gateway:
         return max((info.num_units - 1) // self.unit_block_size(info), 0)
 
     def sync_ring(self) -> None:
-        """Healthy replicas on the ring, unhealthy ones off; export health and queue depth."""
+        """Healthy replicas on the ring, unhealthy ones off; export health and queue depth; size
+        each shadow index (``index.max_blocks_per_replica``, else the replica's num_gpu_blocks)."""
         for replica in self.replicas.values():
             if replica.healthy:
                 self.ring.add(replica.name, replica.config.weight)
@@ -88,9 +86,9 @@ class Gateway:
                 self.ring.remove(replica.name)
             self.metrics.healthy.labels(replica.name).set(1 if replica.healthy else 0)
             self.metrics.queue_depth.labels(replica.name).set(replica.load)
-            if self.config.index.max_blocks_per_replica is None and replica.num_gpu_blocks:
-                if replica.shadow.capacity != replica.num_gpu_blocks:
-                    replica.shadow.resize(replica.num_gpu_blocks)
+            capacity = self.config.index.max_blocks_per_replica or replica.num_gpu_blocks
+            if capacity and replica.shadow.capacity != capacity:
+                replica.shadow.resize(capacity)
 
     def record_change(self, verdict: Verdict, token_position: int) -> None:
         """Count where a client changed its prefix (message index, token position); bounded."""

@@ -9,7 +9,8 @@ Load: ``GET /metrics`` every ``scrape.interval_s`` reads ``vllm:num_requests_wai
 ``vllm:num_requests_running``; between scrapes each request sent counts at once
 (``sent_since_scrape``, until it finishes or the next scrape sees it), so a burst is seen at
 once and finished requests do not linger as load. ``vllm:cache_config_info``
-gives ``block_size`` and ``num_gpu_blocks`` (the shadow index's capacity).
+gives ``block_size`` and ``num_gpu_blocks`` (the shadow index's capacity, applied by
+``Gateway.sync_ring``).
 """
 
 from __future__ import annotations
@@ -142,8 +143,6 @@ async def scrape_once(http: aiohttp.ClientSession, replica: ReplicaState, timeou
         replica.block_size = int(cache["block_size"])
     if replica.config.num_gpu_blocks is None and cache.get("num_gpu_blocks", "").isdigit():
         replica.num_gpu_blocks = int(cache["num_gpu_blocks"])
-    if replica.num_gpu_blocks and replica.shadow.capacity != replica.num_gpu_blocks:
-        replica.shadow.resize(replica.num_gpu_blocks)
     return True
 
 

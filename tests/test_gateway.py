@@ -352,3 +352,15 @@ async def test_completions_that_branch_from_a_shared_document_are_not_called_cha
     metrics = await (await client.get("/metrics")).text()
     assert metric(metrics, "prefix_router_cache_requests_total", result="miss_changed") == 0
     assert metric(metrics, "prefix_router_cache_requests_total", result="hit") == 3
+
+
+async def test_a_configured_shadow_bound_holds_after_the_replicas_report_their_capacity(fleet, aiohttp_client):
+    servers = await fleet(1)
+    data = {"replicas": [str(s.make_url("")).rstrip("/") for s in servers], "index": {"max_blocks_per_replica": 50},
+            "scrape": {"interval_s": 0.1}}
+    client = await aiohttp_client(create_app(config_from_dict(data), ByteTokenizer()))
+    gw = client.server.app[GATEWAY]
+    (replica,) = gw.replicas.values()
+    await wait_until(lambda: replica.num_gpu_blocks == 20_000)  # scraped from the replica
+    await asyncio.sleep(0.3)  # a few more scrapes and ring syncs
+    assert replica.shadow.capacity == 50
