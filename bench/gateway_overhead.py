@@ -15,7 +15,7 @@ previous turn, as in agent and chat traffic):
 
     python -m bench.gateway_overhead [--rate 100] [--seconds 10] [--sizes 1000,8000,32000]
 
-The tokenizer is the byte-level BPE of the real-engine tier (``tests/vllm_tier/tiny_model.py``,
+The tokenizer is the byte-level BPE of the real-engine tier (``router/tiny_model.py``,
 built into ``.cache/tiny-tokenizer`` if missing). Writes ``bench/results/gateway_overhead.json``.
 """
 
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import aiohttp
 
+from router.launch import build_tiny_model
 from router.replay.summary import percentile
 
 from .fleet import ROOT, fleet, gateway
@@ -124,12 +125,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gateway_overhead.json")
     args = parser.parse_args()
     tokenizer_dir = ROOT / ".cache" / "tiny-tokenizer"
-    if not (tokenizer_dir / "tokenizer.json").exists():
-        sys.path.insert(0, str(ROOT))
-        from tests.vllm_tier.tiny_model import build_tokenizer
-
-        corpus = ROOT.parent / "shared" / "agent_traces"
-        build_tokenizer(tokenizer_dir, corpus if corpus.is_dir() else None)
+    build_tiny_model(tokenizer_dir, corpus=ROOT.parent / "shared" / "agent_traces", tokenizer_only=True)
     log_dir = Path("/tmp") / f"gateway_overhead_{os.getpid()}"
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):

@@ -61,6 +61,8 @@ def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None) 
                 await task
         await gw.http.close()
         gw.executor.shutdown(wait=False)
+        if gw.request_log is not None:
+            gw.request_log.close()
 
     app.cleanup_ctx.append(lifecycle)
 

@@ -1,5 +1,5 @@
-"""``prefix-router`` command line: ``serve`` (the gateway), ``sim`` (one simulated vLLM replica)
-and ``replay``."""
+"""``prefix-router`` command line: ``serve`` (the gateway), ``sim`` (one simulated vLLM replica),
+``replay`` (a trace against an endpoint) and ``demo`` (prefix affinity against round-robin)."""
 
 from __future__ import annotations
 
@@ -79,6 +79,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--policy", default=None, choices=("prefix-affinity", "round-robin", "least-loaded"))
     p.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer folder (exact token blocks)")
+    p.add_argument("--request-log", default=None, metavar="FILE",
+                   help="append one JSON line per request (routing and cache outcome, no prompt text)")
     p.set_defaults(func=_run_serve)
 
 
@@ -90,7 +92,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from .tokenizer import HFTokenizer
 
     overrides: dict = {}
-    for key in ("host", "port", "tokenizer"):
+    for key in ("host", "port", "tokenizer", "request_log"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
     if args.replica:
@@ -102,10 +104,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         if not config.replicas:
             raise ConfigError("replicas: at least one replica is needed (--replica URL or the config file)")
         tokenizer = HFTokenizer(config.tokenizer) if config.tokenizer else None
+        app = create_app(config, tokenizer)
     except (ConfigError, OSError) as exc:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
         return 2
-    app = create_app(config, tokenizer)
     web.run_app(app, host=config.host, port=config.port, access_log=None, handler_cancellation=True,
                 print=lambda *_: print(f"prefix-router gateway on http://{config.host}:{config.port} "
                                        f"({config.routing.policy}, {len(config.replicas)} replicas)", flush=True))
@@ -119,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_sim(sub)
+    from .demo import add_parser as add_demo
     from .replay.cli import add_parser as add_replay
 
     add_replay(sub)
+    add_demo(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)

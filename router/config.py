@@ -160,6 +160,9 @@ class GatewayConfig:
     # approximate routing
     tokenizer: str | None = None
     log_prompts: bool = False  # prompt text stays out of logs unless an operator opts in
+    # JSONL file with one line per request (replica, route, predicted and reported cached
+    # tokens, miss kind; no prompt text): router/requestlog.py. None: off
+    request_log: str | None = None
     routing: RoutingConfig = RoutingConfig()  # instances are frozen, so sharing one is safe
     index: IndexConfig = IndexConfig()
     health: HealthConfig = HealthConfig()

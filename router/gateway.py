@@ -1,7 +1,8 @@
 """The gateway's long-lived state, built once per process in ``app.create_app``.
 
 Holds the replicas, the ring, the policy, the branch statistics, the conversation memory, the
-metrics, the tokenizer, the shared HTTP client pool and the worker threads for tokenization.
+metrics, the optional request log, the tokenizer, the shared HTTP client pool and the worker
+threads for tokenization.
 Shadow indexes and conversation memory are per gateway instance: several instances place the
 same request on the same replica (the ring and the key are deterministic), but each learns
 the branch points and histories only from the requests it sees.
@@ -22,6 +23,7 @@ from .metrics import GatewayMetrics
 from .policy import make_policy
 from .prompts import PromptInfo
 from .replicas import ReplicaState
+from .requestlog import RequestLog
 from .ring import Ring
 from .tokenizer import PromptTokenizer
 
@@ -57,6 +59,7 @@ class Gateway:
         self.change_sites: Counter[tuple[int, int]] = Counter()
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.http: aiohttp.ClientSession | None = None
+        self.request_log = RequestLog(config.request_log) if config.request_log else None
 
     @property
     def block_size(self) -> int:

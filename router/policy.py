@@ -7,8 +7,9 @@
    conversations, through the first block specific to this one). The key's owner on the ring
    is the affinity replica; the rest of the ring, in order, are the spill candidates.
 2. History: if a replica already holds more of this prompt than the key covers (its shadow
-   index matches at least ``key_depth`` blocks) and is not overloaded, it wins (``sticky``):
-   a session that spilled keeps its history where it went.
+   index matches at least ``key_depth`` blocks, and past the point where this prompt parted
+   from every other prompt seen, ``BranchStats.parted_depth``) and is not overloaded, it wins
+   (``sticky``): a session that spilled keeps its history where it went.
 3. Load: a replica is overloaded when its load (queue depth at the last scrape plus requests
    sent since) is at or above ``spill_queue_depth``, or above ``load_factor`` x mean load + 1
    while at least half that depth (``_overloaded``).
@@ -122,7 +123,12 @@ class PrefixAffinityPolicy:
         fits = {n for n, v in replicas.items() if not _overloaded(v.load, mean, cfg)}
         best = max(order, key=lambda n: matches[n])  # ties: earliest in ring order
         owner = order[0]
-        if best in fits and matches[best] >= depth and matches[best] > matches[owner]:
+        # Sticky only for history this conversation alone sent: past the key depth and past where
+        # it parted from every prompt seen before. Without the second bound, a session key's
+        # first request would follow a shared system prompt to whichever replica computed it
+        # first (the branch is "shared" only after ``branch_threshold`` conversations).
+        own = max(depth, self.branches.parted_depth(hashes, cfg.max_key_blocks)) if matches[best] >= depth else depth
+        if best in fits and matches[best] >= own and matches[best] > matches[owner]:
             replica, route = best, Route.STICKY
         else:
             replica = next((n for n in order if n in fits), None)

@@ -16,7 +16,7 @@ import xxhash
 from .blocks import BlockHash, block_hashes, seed_hash
 from .tokenizer import ChatFormatError, PromptTokenizer
 
-__all__ = ["PromptInfo", "analyze"]
+__all__ = ["PromptInfo", "analyze", "chat_tokens"]
 
 
 @dataclass(slots=True)
@@ -55,6 +55,19 @@ def _chat_text(body: dict) -> str:
     return "\n".join(parts)
 
 
+def chat_tokens(body: dict, tokenizer: PromptTokenizer) -> list[int] | None:
+    """The token ids vLLM computes for a chat request body (messages, tools, template options),
+    or None when the body cannot be rendered (the request is then routed by its characters)."""
+    try:
+        return tokenizer.render_chat(
+            body.get("messages"), tools=body.get("tools"),
+            add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+            continue_final_message=body.get("continue_final_message") is True,
+            chat_template_kwargs=body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else None)
+    except (ChatFormatError, TypeError, ValueError):
+        return None
+
+
 def analyze(body: dict, chat: bool, tokenizer: PromptTokenizer | None, block_size: int,
             char_block_size: int, session_key: str | None) -> PromptInfo:
     """Token (or character) blocks, hashes and conversation id of one request body.
@@ -64,18 +77,9 @@ def analyze(body: dict, chat: bool, tokenizer: PromptTokenizer | None, block_siz
     model = str(body.get("model") or "")
     salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
     seed = seed_hash(model, salt)
-    tokens: list[int] | None = None
+    tokens = chat_tokens(body, tokenizer) if chat and tokenizer is not None else None
     if chat:
         messages = body.get("messages")
-        if tokenizer is not None:
-            try:
-                tokens = tokenizer.render_chat(
-                    messages, tools=body.get("tools"),
-                    add_generation_prompt=body.get("add_generation_prompt", True) is not False,
-                    continue_final_message=body.get("continue_final_message") is True,
-                    chat_template_kwargs=body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else None)
-            except (ChatFormatError, TypeError, ValueError):
-                tokens = None
         messages = messages if isinstance(messages, list) else []
         message_hashes = (_digest(body.get("tools")), *(_digest(m) for m in messages))
         first_user = next((m for m in messages if isinstance(m, dict) and m.get("role") == "user"), None)

@@ -11,7 +11,8 @@ Per request (``handle_generate``):
    and 5xx answers go to the next ring candidate while nothing has reached the client.
 4. Stream SSE back line by line as it arrives, with ``x-prefix-router-replica`` naming the
    replica. Then classify the cache outcome, update the shadow index, branch statistics and
-   conversation memory, and count everything in ``GatewayMetrics``.
+   conversation memory, count everything in ``GatewayMetrics`` and, when configured, write the
+   request's line to the request log (``requestlog.py``).
 
 In-flight slots are released in ``finally``, so errors and client disconnects free them.
 """
@@ -32,6 +33,7 @@ from .errors import error_body, openai_error
 from .gateway import Gateway
 from .policy import Decision, ReplicaView, Route
 from .prompts import PromptInfo, analyze
+from .requestlog import conversation_tag
 
 __all__ = ["handle_generate", "REPLICA_HEADER"]
 
@@ -232,6 +234,9 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, statu
         m.ttft.labels(name).observe(ttft)
     m.request_seconds.labels(name).observe(elapsed)
     if status != 200 or not usage:
+        if gw.request_log is not None:
+            gw.request_log.write(replica=name, route=decision.route.value, status=status, ttft_s=ttft,
+                                 elapsed_s=round(elapsed, 6), conversation=conversation_tag(info.conversation))
         return
     prompt_tokens = int(usage.get("prompt_tokens") or 0)
     cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
@@ -246,7 +251,8 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, statu
     gw.replicas[name].shadow.add_output(int(usage.get("completion_tokens") or 0) // gw.block_size, info.hashes)
     m.prompt_tokens.labels(name).inc(prompt_tokens)
     m.cached.labels(name).inc(cached_tokens)
-    m.cached_predicted.labels(name).inc(min(int(decision.predicted_blocks * to_tokens), prompt_tokens))
+    predicted = min(int(decision.predicted_blocks * to_tokens), prompt_tokens)
+    m.cached_predicted.labels(name).inc(predicted)
     conversation = info.conversation  # "" for a completion without a session key: see prompts.py
     previous = gw.conversations.get(conversation) if conversation else None
     verdict = classify(hashes=info.hashes, message_hashes=info.message_hashes, previous=previous,
@@ -261,3 +267,13 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, statu
         gw.record_change(verdict, int(verdict.diverged_block * to_tokens))
     if conversation:
         gw.conversations.put(conversation, Conversation.of(info.hashes, info.message_hashes))
+    if gw.request_log is not None:
+        changed = verdict.result is CacheResult.MISS_CHANGED
+        gw.request_log.write(
+            replica=name, route=decision.route.value, status=status, prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens, predicted_cached_tokens=predicted, result=verdict.result.value,
+            lost_tokens=int(verdict.lost_tokens * to_tokens),
+            diverged_message=verdict.diverged_message if changed else None,
+            diverged_token=int(verdict.diverged_block * to_tokens) if changed else None,
+            conversation=conversation_tag(conversation), spilled_from=decision.spilled_from,
+            ttft_s=ttft, elapsed_s=round(elapsed, 6))

@@ -1,7 +1,7 @@
 """Incremental chat tokenization always equals a full tokenization.
 
 The tokenizer under test is the tiny byte-level BPE the real-engine tier serves (built here
-from ``tests/vllm_tier/tiny_model.py``, tokenizer only: no torch needed). Hypothesis drives
+from ``router/tiny_model.py``, tokenizer only: no torch needed). Hypothesis drives
 random multi-turn conversations, tool lists and awkward text (unicode, whitespace, the special
 tokens' own text inside content) through one ``HFTokenizer`` whose prefix cache is warm from
 earlier turns and earlier conversations; every prompt's ids must equal the ids of encoding the
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from router.tokenizer import HFTokenizer
 
-from .vllm_tier.tiny_model import build_tokenizer
+from router.tiny_model import build_tokenizer
 
 
 @pytest.fixture(scope="module")

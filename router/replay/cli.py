@@ -27,6 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=0, help="requests in flight at most (0: no cap)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per chat turn (trajectories)")
     p.add_argument("--no-stream", action="store_true", help="send stream=false (TTFT = latency)")
+    p.add_argument("--session-header", default="X-Session-ID",
+                   help="send each session's id in this header ('' sends none; default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write one JSON record per request here")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -66,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     async def go():
         model = args.model or await _first_model(args.target)
         return await replay(requests, args.target, model=model, time_scale=args.time_scale,
-                            concurrency=args.concurrency, stream=not args.no_stream, on_record=progress)
+                            concurrency=args.concurrency, stream=not args.no_stream,
+                            session_header=args.session_header or None, on_record=progress)
 
     try:
         records = asyncio.run(go())

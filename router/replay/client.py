@@ -97,10 +97,13 @@ async def _send(http: aiohttp.ClientSession, target: str, model: str | None, str
 async def replay(requests: list[ReplayRequest], target: str, *, model: str | None = None,
                  time_scale: float = 1.0, concurrency: int = 0, stream: bool = True,
                  timeout_s: float = 600.0, headers: dict | None = None,
+                 session_header: str | None = "X-Session-ID",
                  on_record: Callable[[Record], None] | None = None) -> list[Record]:
     """Replay ``requests`` against ``target`` (base URL, no trailing /v1); records in input order.
 
-    ``model`` fills each body's model (None: leave it out, the server's default).
+    ``model`` fills each body's model (None: leave it out, the server's default). A request that
+    belongs to a session carries its id in ``session_header`` (the gateway's default session
+    header; None sends none), as a client that keys its conversations would.
     """
     target = target.rstrip("/")
     records = [Record(i, r.session, r.turn, 0.0, None, None, None, None, None, 0, None, None)
@@ -122,11 +125,14 @@ async def replay(requests: list[ReplayRequest], target: str, *, model: str | Non
                 delay = req.think_s / time_scale
             if delay > 0:
                 await asyncio.sleep(delay)
+            sent = dict(headers or {})
+            if session_header and req.session is not None:
+                sent[session_header] = req.session
             if limit is None:
-                await _send(http, target, model, stream, req, records[i], t0, headers or {})
+                await _send(http, target, model, stream, req, records[i], t0, sent)
             else:
                 async with limit:
-                    await _send(http, target, model, stream, req, records[i], t0, headers or {})
+                    await _send(http, target, model, stream, req, records[i], t0, sent)
             if on_record is not None:
                 on_record(records[i])
 

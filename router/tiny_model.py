@@ -1,7 +1,9 @@
 """Build a tiny Llama-architecture model with a tokenizer and chat template, offline.
 
-Run with the vLLM environment's Python (it needs torch and transformers):
-    .venv-vllm/bin/python tests/vllm_tier/tiny_model.py OUT_DIR [--corpus DIR]
+Run as a script with the vLLM environment's Python (the model needs torch; the tokenizer alone,
+``--tokenizer-only``, needs only ``tokenizers`` and ``transformers``, which the gateway has):
+    .venv-vllm/bin/python router/tiny_model.py OUT_DIR [--corpus DIR] [--tokenizer-only]
+It imports nothing from this package, so it runs in an environment that does not have it.
 
 Nothing is downloaded. The tokenizer is a byte-level BPE (vocab 2048) trained on the text of
 the SWE-agent trajectories in ``--corpus`` when given (else on generated text), so agent
@@ -120,9 +122,13 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--corpus", type=Path, default=None,
                         help="folder of SWE-agent .traj files to train the tokenizer on")
+    parser.add_argument("--tokenizer-only", action="store_true", help="skip the model (no torch needed)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(args.out, args.corpus)
+    if args.tokenizer_only:
+        print(args.out)
+        return
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.out)

