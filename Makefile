@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
 
-.PHONY: venv test test-fast vllm-env bench-sim clean
+.PHONY: venv demo test test-fast vllm-env bench-sim clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,11 @@ $(VENV)/.installed: pyproject.toml
 
 # The project alone (no vLLM engine, no tests run): about a minute.
 venv: $(VENV)/.installed
+
+# The main job on the embedded default: 4 simulated replicas, prefix affinity against round-robin
+# on the built-in mixed workload (about a minute on 2 cores). Options: make demo ARGS="--help".
+demo: $(VENV)/.installed
+	$(VENV)/bin/prefix-router demo $(ARGS)
 
 # The real vLLM engine (CPU build) for the real-engine tests: about 4 minutes, 3.5 GB.
 $(VLLM_VENV)/.installed: tests/vllm_tier/make_env.sh

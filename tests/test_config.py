@@ -86,6 +86,22 @@ def test_the_main_example_shows_every_key_at_its_default():
     assert [r.url for r in config.replicas] == [f"http://vllm-{i}:8000" for i in range(3)]
 
 
+def test_the_readme_configuration_table_names_every_key():
+    readme = (CONFIGS.parent / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index("### Configuration"):readme.index("### How a request is routed")]
+    defaults = GatewayConfig()
+    for f in dataclasses.fields(GatewayConfig):
+        value = getattr(defaults, f.name)
+        if f.name == "replicas":
+            paths = [f"replicas[].{g.name}" for g in dataclasses.fields(ReplicaConfig)]
+        elif dataclasses.is_dataclass(value):
+            paths = [f"{f.name}.{g.name}" for g in dataclasses.fields(value)]
+        else:
+            paths = [f.name]
+        for path in paths:
+            assert f"`{path}`" in table, f"README's configuration table lacks {path}"
+
+
 def test_the_baseline_differs_from_local_sim_only_in_policy():
     local = load_config(CONFIGS / "local-sim.yaml")
     baseline = load_config(CONFIGS / "round-robin.yaml")

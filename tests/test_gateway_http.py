@@ -381,6 +381,35 @@ async def test_no_prompt_text_reaches_metrics_or_logs_even_when_requests_fail(fl
     assert marker not in caplog.text
 
 
+async def test_the_request_log_has_one_line_per_request_with_predictions_and_no_prompt_text(fleet, gateway, tmp_path):
+    marker = f"secret-{uuid.uuid4().hex}"
+    log = tmp_path / "requests.jsonl"
+    client = await gateway(await fleet(2), request_log=str(log))
+    system = {"role": "system", "content": f"You are {marker}. " + text(random.Random(1), 400)}
+    history = [system, {"role": "user", "content": f"first question about {marker}"}]
+    session = {"X-Session-ID": f"user-{marker}"}
+    for turn in range(3):
+        resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 2},
+                                 headers=session)
+        assert resp.status == 200
+        answer_ = (await resp.json())["choices"][0]["message"]["content"]
+        history = history + [{"role": "assistant", "content": answer_}, {"role": "user", "content": f"more {turn}"}]
+    await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [
+        {"role": "system", "content": "Changed. " + system["content"]}, *history[1:]], "max_tokens": 2}, headers=session)
+    await client.close()  # the log is closed with the app
+    raw = log.read_text()
+    assert marker not in raw
+    lines = [json.loads(line) for line in raw.splitlines()]
+    assert len(lines) == 4
+    assert {line["conversation"] for line in lines} == {lines[0]["conversation"]}
+    assert len(lines[0]["conversation"]) == 16  # a hash of the session key, not the key
+    assert [line["result"] for line in lines] == ["miss_cold", "hit", "hit", "miss_changed"]
+    for line in lines[1:3]:  # exact prediction on a hit: what the replica reported
+        assert line["predicted_cached_tokens"] == line["cached_tokens"] > 0
+    assert lines[3]["diverged_message"] == 0 and lines[3]["diverged_token"] == 0 and lines[3]["lost_tokens"] > 0
+    assert all(line["status"] == 200 and line["replica"] and line["route"] for line in lines)
+
+
 # --- everything down ---------------------------------------------------------------------------
 
 async def test_when_every_replica_is_down_requests_get_503_and_ready_is_503(fleet, gateway):
