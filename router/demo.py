@@ -45,6 +45,10 @@ SERVED_NAME = "demo"
 # tiny model: the whole mixed workload took about 7 minutes a policy), so by default the vLLM
 # demo replays the first sessions of the workload only.
 VLLM_DEFAULT_LIMIT = 120
+# The mixed workload's longest prompt is 29,597 tokens with the tiny tokenizer; 8,192 blocks of 32
+# tokens (262,144 tokens, 128 MiB of the tiny model's bf16 KV cache) hold a few sessions each.
+VLLM_MAX_MODEL_LEN = 32_768
+VLLM_NUM_BLOCKS = 8_192
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,7 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "run this much faster too (default: 10)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks per replica (default: 28000 of 16 tokens sim, as an H100 with an 8B model; "
-                        "700 of 32 vLLM)")
+                        f"{VLLM_NUM_BLOCKS} of 32 vLLM)")
     p.add_argument("--vllm-python", default=None, help="a Python that can import vllm (default: .venv-vllm)")
     p.add_argument("--model", default=None,
                    help="vLLM: a local model folder with its tokenizer (default: a tiny random model built here)")
@@ -150,7 +154,8 @@ def _run_vllm(requests, args, cache: Path, log_dir: Path) -> list[PolicyRun]:
                            "--vllm-python")
     model = Path(args.model) if args.model else launch.build_tiny_model(cache / "tiny-model", python)
     print(f"starting {args.replicas} vLLM replicas (30-75 s each on CPU, started together)", file=sys.stderr)
-    servers = [launch.vllm_server(log_dir, python, model, served_name=SERVED_NAME, num_blocks=args.num_blocks or 700)
+    servers = [launch.vllm_server(log_dir, python, model, served_name=SERVED_NAME,
+                                  num_blocks=args.num_blocks or VLLM_NUM_BLOCKS, max_model_len=VLLM_MAX_MODEL_LEN)
                for _ in range(args.replicas)]
     for s in servers:  # /reset_prefix_cache between policies instead of a second start
         s.env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -221,7 +226,7 @@ def _side_by_side(totals: dict[str, dict], runs: list[PolicyRun]) -> list[str]:
              ("TTFT p50", _ms(a["ttft_p50_s"]), _ms(b["ttft_p50_s"]), ratio(a["ttft_p50_s"] or 0, b["ttft_p50_s"] or 0)),
              ("TTFT p99", _ms(a["ttft_p99_s"]), _ms(b["ttft_p99_s"]), ratio(a["ttft_p99_s"] or 0, b["ttft_p99_s"] or 0))]
     lines = [f"{'':<28}{POLICIES[0]:>18}{POLICIES[1]:>16}{'ratio':>9}"]
-    lines += [f"{name:<28}{x!s:>18}{y!s:>16}{r:>9}" for name, x, y, r in rows]
+    lines += [f"{name:<28}{x!s:>18}{y!s:>16}{r:>9}".rstrip() for name, x, y, r in rows]
     return lines
 
 
@@ -247,6 +252,11 @@ def report(runs: list[PolicyRun], scale: float, title: str) -> tuple[str, dict]:
         lines += [f"{run.policy} ({run.wall_s:.0f} s)", *_table(rows), ""]
     totals = {p: rows[-1] for p, rows in per_policy.items()}
     lines += ["side by side", *_side_by_side(totals, runs), ""]
+    for run in runs:
+        failed = [r for r in run.records if r.status != 200 or r.error]
+        if failed:
+            lines += [f"{run.policy}: {len(failed)} requests failed; the first: HTTP {failed[0].status} "
+                      f"{(failed[0].error or '')[:300]}", ""]
     lines += [f"where clients changed their prefix ({runs[0].policy}; message index and token position, no text)",
               *_change_sites(runs[0])]
     return "\n".join(lines), {"per_replica": per_policy, "change_sites": runs[0].change_sites}
