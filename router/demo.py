@@ -67,7 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "run this much faster too (default: 10)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks per replica (default: 28000 of 16 tokens sim, as an H100 with an 8B model; "
-                        f"{VLLM_NUM_BLOCKS} of 32 vLLM)")
+                        f"{VLLM_NUM_BLOCKS} of 32 for the tiny vLLM model; vLLM's own sizing with --model)")
     p.add_argument("--vllm-python", default=None, help="a Python that can import vllm (default: .venv-vllm)")
     p.add_argument("--model", default=None,
                    help="vLLM: a local model folder with its tokenizer (default: a tiny random model built here)")
@@ -154,8 +154,11 @@ def _run_vllm(requests, args, cache: Path, log_dir: Path) -> list[PolicyRun]:
                            "--vllm-python")
     model = Path(args.model) if args.model else launch.build_tiny_model(cache / "tiny-model", python)
     print(f"starting {args.replicas} vLLM replicas (30-75 s each on CPU, started together)", file=sys.stderr)
-    servers = [launch.vllm_server(log_dir, python, model, served_name=SERVED_NAME,
-                                  num_blocks=args.num_blocks or VLLM_NUM_BLOCKS, max_model_len=VLLM_MAX_MODEL_LEN)
+    if args.model:  # the user's model: vLLM sizes its KV cache and context itself
+        sizing = {"num_blocks": None, "max_model_len": None}
+    else:
+        sizing = {"num_blocks": args.num_blocks or VLLM_NUM_BLOCKS, "max_model_len": VLLM_MAX_MODEL_LEN}
+    servers = [launch.vllm_server(log_dir, python, model, served_name=SERVED_NAME, **sizing)
                for _ in range(args.replicas)]
     for s in servers:  # /reset_prefix_cache between policies instead of a second start
         s.env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -284,8 +287,9 @@ def run(args: argparse.Namespace) -> int:
     sessions = len({r.session for r in requests if r.session is not None})
     what = args.trace or "built-in mixed workload"
     kind = "vLLM" if vllm else "simulated vLLM"
-    title = (f"prefix-router demo: {args.replicas} {kind} replicas, {what}: {len(requests)} requests in "
-             f"{sessions} sessions, sent {args.time_scale:g}x faster than the workload's clock; TTFT in " +
+    title = (f"prefix-router demo: {args.replicas} {kind} replicas, {what}: {len(requests)} requests"
+             f"{f' in {sessions} sessions' if sessions else ''}, sent {args.time_scale:g}x faster than the "
+             "workload's clock; TTFT in " +
              ("wall-clock time" if vllm else "modelled time"))
     log_dir = Path(tempfile.mkdtemp(prefix="prefix-router-demo-"))
     print(f"prefix-router demo: {len(requests)} requests through {args.replicas} {kind} replicas, with prefix "

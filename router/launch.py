@@ -21,6 +21,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .tiny_model import VERSION as TINY_MODEL_VERSION  # a folder built by another version is rebuilt
+
 __all__ = ["Server", "free_port", "running", "sim_server", "gateway_server", "vllm_server", "find_vllm_python",
            "build_tiny_model", "KV_BYTES_PER_TOKEN_TINY", "TINY_MODEL_SCRIPT"]
 
@@ -118,19 +120,23 @@ def gateway_server(log_dir: Path, replicas: Sequence[str], args: Sequence[str] =
 
 
 def vllm_server(log_dir: Path, python: Path, model: Path, *, served_name: str, block_size: int = 32,
-                num_blocks: int = 700, max_model_len: int = 16_384,
+                num_blocks: int | None = 700, max_model_len: int | None = 16_384,
                 kv_bytes_per_token: int = KV_BYTES_PER_TOKEN_TINY, extra: Sequence[str] = ()) -> Server:
     """A real vLLM replica (OpenAI server) with prefix caching on, prompt token details on and
-    ``num_blocks`` KV blocks of ``block_size`` tokens (``--kv-cache-memory-bytes``; vLLM reports the
-    exact count in ``vllm:cache_config_info``). CPU threads are not pinned, so several replicas
-    share the machine. ``python``: an interpreter that can ``import vllm``.
+    ``num_blocks`` KV blocks of ``block_size`` tokens (``--kv-cache-memory-bytes`` from
+    ``kv_bytes_per_token``, the tiny model's by default; vLLM reports the exact count in
+    ``vllm:cache_config_info``). ``num_blocks`` or ``max_model_len`` None: vLLM's own sizing.
+    CPU threads are not pinned, so several replicas share the machine. ``python``: an
+    interpreter that can ``import vllm``.
     """
     port = free_port()
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
-           "--block-size", str(block_size), "--max-model-len", str(max_model_len),
-           "--kv-cache-memory-bytes", str(num_blocks * block_size * kv_bytes_per_token),
-           "--enable-prefix-caching", "--enable-prompt-tokens-details", *extra]
+           "--block-size", str(block_size), "--enable-prefix-caching", "--enable-prompt-tokens-details", *extra]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if num_blocks is not None:
+        cmd += ["--kv-cache-memory-bytes", str(num_blocks * block_size * kv_bytes_per_token)]
     env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
     return Server(cmd, port, log_dir / f"vllm-{port}.log", env=env, startup_s=300.0)
 
@@ -150,16 +156,19 @@ def find_vllm_python(explicit: str | os.PathLike | None = None) -> Path | None:
 def build_tiny_model(out: Path, python: Path | str = sys.executable, corpus: Path | None = None,
                      tokenizer_only: bool = False) -> Path:
     """Build ``router/tiny_model.py``'s tokenizer (and model unless ``tokenizer_only``) into ``out``
-    once; the model needs an interpreter with torch (the vLLM environment). Returns ``out``.
+    once per ``TINY_MODEL_VERSION``; the model needs an interpreter with torch (the vLLM
+    environment). Returns ``out``.
 
     Raises ``subprocess.CalledProcessError`` when the build fails.
     """
     done = out / ("tokenizer.json" if tokenizer_only else "model.safetensors")
-    if not done.exists():
+    stamp = out / "prefix-router-version"
+    if not done.exists() or not stamp.exists() or stamp.read_text().strip() != str(TINY_MODEL_VERSION):
         cmd = [str(python), str(TINY_MODEL_SCRIPT), str(out)]
         if corpus is not None and corpus.is_dir():
             cmd += ["--corpus", str(corpus)]
         if tokenizer_only:
             cmd.append("--tokenizer-only")
         subprocess.run(cmd, check=True, capture_output=True)
+        stamp.write_text(f"{TINY_MODEL_VERSION}\n")
     return out
