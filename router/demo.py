@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -292,6 +293,8 @@ def run(args: argparse.Namespace) -> int:
              "workload's clock; TTFT in " +
              ("wall-clock time" if vllm else "modelled time"))
     log_dir = Path(tempfile.mkdtemp(prefix="prefix-router-demo-"))
+    # SIGTERM as Ctrl-C: unwind, so that every replica and gateway started is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"prefix-router demo: {len(requests)} requests through {args.replicas} {kind} replicas, with prefix "
           f"affinity and then round-robin (logs in {log_dir})", file=sys.stderr)
     try:
