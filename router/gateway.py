@@ -80,10 +80,11 @@ class Gateway:
         return max((info.num_units - 1) // self.unit_block_size(info), 0)
 
     def sync_ring(self) -> None:
-        """Healthy replicas on the ring, unhealthy ones off; export health and queue depth; size
-        each shadow index (``index.max_blocks_per_replica``, else the replica's num_gpu_blocks)."""
+        """Routable replicas on the ring (``ReplicaState.routable``), the others off; export
+        health and queue depth; size each shadow index (``index.max_blocks_per_replica``, else
+        the replica's num_gpu_blocks)."""
         for replica in self.replicas.values():
-            if replica.healthy:
+            if replica.routable:
                 self.ring.add(replica.name, replica.config.weight)
             else:
                 self.ring.remove(replica.name)

@@ -52,11 +52,14 @@ class ShadowIndex:
     def insert(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Record ``hashes`` as cached and most recently used; evict the oldest beyond capacity.
 
-        Returns the hashes that were not there before (to ``forget`` if the request failed).
+        The chain is touched tail first, so its first block ends most recent: vLLM frees a
+        request's blocks tail first (``BlockPool.free_blocks`` on the reversed block list) and
+        evicts the least recently freed, so under pressure a prefix loses its tail, never its
+        head. Returns the hashes that were not there before (to ``forget`` if the request failed).
         """
         blocks = self._blocks
         added = []
-        for h in hashes:
+        for h in reversed(hashes):
             if h in blocks:
                 blocks.move_to_end(h)
             else:
@@ -79,7 +82,7 @@ class ShadowIndex:
         for _ in range(min(num_blocks, self.capacity)):
             self._opaque = (self._opaque + 1) % (1 << 62)
             blocks[BlockHash(-1 - self._opaque)] = None  # negative: never a real xxh3 digest
-        for h in prompt:
+        for h in reversed(prompt):  # tail first: the head ends most recent, as in insert
             if h in blocks:
                 blocks.move_to_end(h)
         self._evict_over_capacity()

@@ -100,7 +100,7 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
     body = _parse(raw)
     if isinstance(body, web.Response):
         return body
-    healthy = {r.name: ReplicaView(r.name, r.load, r.shadow) for r in gw.replicas.values() if r.healthy}
+    healthy = {r.name: ReplicaView(r.name, r.load, r.shadow) for r in gw.replicas.values() if r.routable}
     if not healthy:
         return openai_error(503, "no healthy replica", type_="ServiceUnavailableError")
     session = _session_key(request, body, gw)

@@ -1,9 +1,12 @@
 """The gateway's view of each vLLM replica: health, load, cache shape, and the pollers keeping it.
 
 Health: ``GET /health`` every ``health.interval_s``; ``unhealthy_after`` consecutive failures
-take a replica off the ring, ``healthy_after`` successes bring it back. A replica that comes
-back, or whose ``vllm:prefix_cache_queries_total`` went down, restarted with an empty cache: its
-shadow index is cleared, so its misses are not blamed on clients.
+take a replica off the ring, ``healthy_after`` successes bring it back after its next
+``/metrics`` scrape. A replica whose ``vllm:prefix_cache_queries_total`` went down (or is back
+at zero after a failure while the gateway believed it held blocks) restarted with an empty
+cache: its shadow index is cleared, so its misses are not blamed on clients. One
+that only answered slowly (a busy engine can miss a 1 s health check) keeps its index: clearing
+it on every recovery would send its conversations elsewhere and call its hits unpredicted.
 
 Load: ``GET /metrics`` every ``scrape.interval_s`` reads ``vllm:num_requests_waiting`` and
 ``vllm:num_requests_running``; between scrapes each request sent counts at once
@@ -25,7 +28,7 @@ import aiohttp
 from .config import HealthConfig, ReplicaConfig
 from .index import ShadowIndex
 
-__all__ = ["ReplicaState", "parse_engine_metrics", "poll_health", "poll_metrics"]
+__all__ = ["ReplicaState", "parse_engine_metrics", "apply_health", "apply_metrics", "poll_health", "poll_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +55,17 @@ class ReplicaState:
     queries_total: float = 0.0  # last vllm:prefix_cache_queries_total, to spot restarts
     failures: int = 0
     successes: int = 0
+    recovering: bool = False  # healthy again, off the ring until a scrape tells a restart from a stall
     shadow: ShadowIndex = field(default_factory=lambda: ShadowIndex(DEFAULT_CAPACITY_BLOCKS))
 
     @property
     def url(self) -> str:
         return self.config.url
+
+    @property
+    def routable(self) -> bool:
+        """On the ring: healthy, and past the restart check that follows a recovery."""
+        return self.healthy and not self.recovering
 
     @property
     def load(self) -> int:
@@ -99,7 +108,8 @@ def apply_health(replica: ReplicaState, ok: bool, config: HealthConfig) -> None:
         replica.failures, replica.successes = 0, replica.successes + 1
         if not replica.healthy and replica.successes >= config.healthy_after:
             replica.healthy = True
-            replica.reset_cache_view("back after failing health checks (assumed restarted)")
+            replica.recovering = True  # the next scrape compares its counters (scrape_once)
+            log.info("replica %s passes health checks again; back on the ring after its next scrape", replica.name)
     else:
         replica.successes, replica.failures = 0, replica.failures + 1
         if replica.healthy and replica.failures >= config.unhealthy_after:
@@ -129,6 +139,12 @@ async def scrape_once(http: aiohttp.ClientSession, replica: ReplicaState, timeou
                     replica.models = [m["id"] for m in (await resp.json()).get("data", [])]
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError):
         return False
+    apply_metrics(replica, text)
+    return True
+
+
+def apply_metrics(replica: ReplicaState, text: str) -> None:
+    """Take load, cache shape and the restart check from one /metrics page (Prometheus text)."""
     metrics = parse_engine_metrics(text)
     replica.waiting = int(metrics.get("vllm:num_requests_waiting", 0))
     replica.running = int(metrics.get("vllm:num_requests_running", 0))
@@ -137,13 +153,16 @@ async def scrape_once(http: aiohttp.ClientSession, replica: ReplicaState, timeou
     queries = metrics.get("vllm:prefix_cache_queries_total", 0.0)
     if queries < replica.queries_total:
         replica.reset_cache_view("prefix cache counters went back (restarted)")
+    elif replica.recovering and queries == 0 and len(replica.shadow):
+        # Down before any scrape saw its counters move, and none since: a new process.
+        replica.reset_cache_view("back with no prefix cache queries at all (restarted)")
     replica.queries_total = queries
+    replica.recovering = False
     cache = metrics.get("cache_config", {})
     if replica.config.block_size is None and cache.get("block_size", "").isdigit():
         replica.block_size = int(cache["block_size"])
     if replica.config.num_gpu_blocks is None and cache.get("num_gpu_blocks", "").isdigit():
         replica.num_gpu_blocks = int(cache["num_gpu_blocks"])
-    return True
 
 
 async def poll_metrics(http: aiohttp.ClientSession, replicas: list[ReplicaState], interval_s: float) -> None:

@@ -274,7 +274,7 @@ async def test_a_restarted_replica_starts_with_an_empty_view_so_its_misses_are_c
         await wait_until(lambda: not gw.replicas[replica_name(url)].healthy)
         proc = spawn_sim(port, 1000.0)
         await healthy_url(port)
-        await wait_until(lambda: gw.replicas[replica_name(url)].healthy)
+        await wait_until(lambda: gw.replicas[replica_name(url)].routable)  # after the restart check
         messages += [{"role": "assistant", "content": "x"}, {"role": "user", "content": text(rng, 20)}]
         _, usage = await chat(client, messages)
         assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # the engine lost its cache

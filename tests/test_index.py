@@ -32,28 +32,29 @@ def test_match_counts_only_the_leading_blocks_and_stops_at_the_first_hole():
     assert index.match([]) == 0
 
 
-def test_insert_beyond_capacity_evicts_the_least_recently_inserted_blocks():
+def test_insert_beyond_capacity_evicts_the_older_chain_from_its_tail_as_vllm_does():
     capacity = 5
     index = ShadowIndex(capacity)
     old, new = fresh(capacity), fresh(2)
     index.insert(old)
     index.insert(new)
     assert len(index) == capacity
-    evicted = old[: len(new)]
+    evicted = old[-len(new):]  # vLLM frees a request's blocks tail first: the tail goes first
     assert all(index.match([h]) == 0 for h in evicted)
-    assert all(index.match([h]) == 1 for h in old[len(new):] + new)
+    assert index.match(old) == capacity - len(new)  # the head of the prefix is still a hit
+    assert index.match(new) == len(new)
 
 
 def test_reinserting_a_block_touches_it_so_the_next_eviction_spares_it():
     capacity = 4
     index = ShadowIndex(capacity)
     blocks = fresh(capacity)
-    index.insert(blocks)
-    index.insert(blocks[:1])  # a hit on the first block makes it the most recent
+    index.insert(blocks)  # the last block is the least recent
+    index.insert(blocks[-1:])  # a hit on it makes it the most recent
     extra = fresh(1)
     index.insert(extra)
-    assert index.match(blocks[:1]) == 1
-    assert index.match(blocks[1:2]) == 0  # now the least recent: evicted instead
+    assert index.match(blocks[-1:]) == 1
+    assert index.match(blocks[-2:-1]) == 0  # now the least recent: evicted instead
     assert len(index) == capacity
 
 
@@ -73,8 +74,8 @@ def test_resize_to_a_smaller_capacity_evicts_the_oldest_blocks_at_once():
     smaller = 3
     index.resize(smaller)
     assert index.capacity == smaller and len(index) == smaller
-    assert index.match(chain[-smaller:]) == smaller
-    assert index.match(chain[: len(chain) - smaller]) == 0
+    assert index.match(chain) == smaller  # the head survives
+    assert all(index.match([h]) == 0 for h in chain[smaller:])
     index.resize(0)  # a nonsense capacity keeps at least one block
     assert index.capacity == 1 and len(index) == 1
 
@@ -194,8 +195,10 @@ def test_generated_blocks_take_capacity_and_are_evicted_before_their_prompt():
     index.insert(prompt)
     index.add_output(4, prompt)  # 4 + 4 + 4 = 12 > 10: the two oldest entries go
     assert index.match(prompt) == len(prompt)
-    assert index.match(old) == 0  # old[0] evicted: the chain is broken from its first block
+    assert index.match(old) == len(old) - 2  # the older request's tail went, not its head
     assert len(index) == 10
+    index.add_output(4, prompt)  # 4 more: the older request's head, then the first outputs go
+    assert index.match(prompt) == len(prompt) and index.match(old) == 0
 
 
 def test_blocks_evicted_lately_are_still_recognised_as_once_held():

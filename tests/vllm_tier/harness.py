@@ -27,9 +27,10 @@ from router import launch
 from router.replicas import parse_engine_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = ROOT.parent / "shared"
+# The shared data folder (traces, agent trajectories) beside the checkout, or where
+# $PREFIX_ROUTER_SHARED says (an empty folder tries the fallbacks a user's clone takes).
+SHARED = Path(os.environ.get("PREFIX_ROUTER_SHARED", ROOT.parent / "shared"))
 VENV = Path(os.environ.get("PREFIX_ROUTER_VLLM_VENV", ROOT / ".venv-vllm"))
-MODEL_DIR = ROOT / ".cache" / "tiny-model"
 
 
 def require_vllm() -> Path:
@@ -46,8 +47,11 @@ def require_vllm() -> Path:
 
 
 def tiny_model() -> Path:
-    """The tiny model and tokenizer, built once (about 5 s), trained on the agent trajectories."""
-    return launch.build_tiny_model(MODEL_DIR, require_vllm(), corpus=SHARED / "agent_traces")
+    """The tiny model and tokenizer, built once (about 5 s); the tokenizer is trained on the
+    agent trajectories when they are present, else on generated text (another folder)."""
+    corpus = SHARED / "agent_traces"
+    folder = "tiny-model" if any(corpus.glob("*.traj")) else "tiny-model-generated"
+    return launch.build_tiny_model(ROOT / ".cache" / folder, require_vllm(), corpus=corpus)
 
 
 def get(url: str, timeout: float = 5.0) -> bytes:

@@ -1,0 +1,65 @@
+"""A replica's health and restart state (``router/replicas.py``): a stall is not a restart."""
+
+from __future__ import annotations
+
+from router.blocks import BlockHash
+from router.config import HealthConfig, ReplicaConfig
+from router.replicas import ReplicaState, apply_health, apply_metrics
+
+HEALTH = HealthConfig(unhealthy_after=2, healthy_after=1)
+
+
+def page(queries: float, waiting: int = 0) -> str:
+    """A /metrics page as vLLM writes it, with the lines the gateway reads."""
+    return (f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}\n'
+            f'vllm:num_requests_running{{engine="0",model_name="m"}} 0\n'
+            f'vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} {queries}\n'
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0\n')
+
+
+def replica_with_history() -> ReplicaState:
+    replica = ReplicaState(ReplicaConfig(url="http://r:8000"), "r:8000")
+    apply_metrics(replica, page(500))
+    replica.shadow.insert([BlockHash(i) for i in range(1, 11)])
+    return replica
+
+
+def fail_then_recover(replica: ReplicaState) -> None:
+    for _ in range(HEALTH.unhealthy_after):
+        apply_health(replica, False, HEALTH)
+    assert not replica.healthy and not replica.routable
+    apply_health(replica, True, HEALTH)
+    assert replica.healthy
+    assert not replica.routable, "back on the ring before its counters were checked"
+
+
+def test_a_replica_that_only_stalled_keeps_its_shadow_index_after_recovering():
+    replica = replica_with_history()
+    fail_then_recover(replica)
+    apply_metrics(replica, page(800))  # counters kept growing: the same process
+    assert replica.routable
+    assert len(replica.shadow) == 10
+
+
+def test_a_replica_whose_counters_went_back_restarted_and_loses_its_shadow_index():
+    replica = replica_with_history()
+    fail_then_recover(replica)
+    apply_metrics(replica, page(0))  # a new process: counters start again
+    assert replica.routable
+    assert len(replica.shadow) == 0
+
+
+def test_a_restart_seen_only_by_the_metrics_clears_the_index_without_a_health_failure():
+    replica = replica_with_history()
+    apply_metrics(replica, page(20))
+    assert replica.routable and len(replica.shadow) == 0
+    assert replica.block_size == 16 and replica.num_gpu_blocks == 100
+
+
+def test_a_replica_back_with_zero_counters_restarted_even_if_no_scrape_saw_them_move():
+    replica = ReplicaState(ReplicaConfig(url="http://r:8000"), "r:8000")
+    apply_metrics(replica, page(0))
+    replica.shadow.insert([BlockHash(i) for i in range(1, 11)])  # routed to it, then it died
+    fail_then_recover(replica)
+    apply_metrics(replica, page(0))
+    assert replica.routable and len(replica.shadow) == 0
