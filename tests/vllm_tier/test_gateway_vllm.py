@@ -159,9 +159,11 @@ def test_prefix_affinity_predicts_vllm_and_beats_round_robin(engines, tmp_path):
     assert len(differ) <= 0.05 * len(lines)
     for d in differ:
         if d["cached_tokens"] < d["predicted_cached_tokens"]:
-            assert d["result"] == "miss_evicted", d
+            # The replica served less than believed: evicted; or routed, when another replica was
+            # believed to hold even more (the larger loss is the routing's; seen once in CI).
+            assert d["result"] in ("miss_evicted", "miss_routed"), d
         else:
-            assert d["result"] == "hit", d
+            assert d["result"] == "hit", d  # it served more than believed: never called a miss
 
     # 2. Routing gain on the engine's own counters. Not "1.5x round-robin's hits": on this
     # traffic no router can get that. The agents of one trajectory share its system prompt and
