@@ -7,6 +7,7 @@ import urllib.request
 from pathlib import Path
 
 from router.launch import free_port, gateway_server, running, sim_server
+from router.metrics import sample_sum
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,10 +33,4 @@ def scrape(url: str) -> str:
         return resp.read().decode()
 
 
-def metric_sum(text: str, name: str) -> float:
-    """Sum of one metric's samples in a Prometheus text page."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+metric_sum = sample_sum  # (page, name, **labels) -> sum of matching samples

@@ -30,9 +30,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from . import launch
+from .metrics import sample_sum
 from .replay.client import Record, replay
 from .replay.summary import percentile
 from .replay.workloads import load_workload
@@ -85,7 +84,7 @@ class PolicyRun:
     policy: str
     replicas: list[str]  # gateway replica names (host:port), in start order
     records: list[Record]
-    metrics: dict[tuple[str, tuple], float]  # (sample name, sorted labels) -> value
+    metrics: str  # the gateway's /metrics page after the replay
     change_sites: list[dict]
     wall_s: float
 
@@ -93,19 +92,6 @@ class PolicyRun:
 def _get(url: str) -> bytes:
     with urllib.request.urlopen(url, timeout=30) as resp:
         return resp.read()
-
-
-def _samples(page: str) -> dict[tuple[str, tuple], float]:
-    out = {}
-    for family in text_string_to_metric_families(page):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def _sum(metrics: dict, name: str, **labels) -> float:
-    return sum(v for (n, ls), v in metrics.items()
-               if n == name and all(dict(ls).get(k) == want for k, want in labels.items()))
 
 
 class _Progress:
@@ -132,7 +118,7 @@ def _replay_through(policy: str, urls: list[str], requests, args, tokenizer: Pat
         records = asyncio.run(replay(requests, gw, model=SERVED_NAME, time_scale=args.time_scale,
                                      on_record=_Progress(policy, len(requests))))
         wall = time.monotonic() - started
-        metrics = _samples(_get(gw + "/metrics").decode())
+        metrics = _get(gw + "/metrics").decode()
         sites = json.loads(_get(gw + "/replicas"))["change_sites"]
     return PolicyRun(policy, names, records, metrics, sites, wall)
 
@@ -184,11 +170,11 @@ def _replica_rows(run: PolicyRun, scale: float) -> list[dict]:
         prompt = sum(r.prompt_tokens or 0 for r in recs)
         reused = sum(r.cached_tokens or 0 for r in recs)
         ttft = [r.ttft_s * scale for r in recs if r.ttft_s is not None]
-        spill = _sum(run.metrics, "prefix_router_spillovers_total",
+        spill = sample_sum(run.metrics, "prefix_router_spillovers_total",
                      **({} if name == "total" else {"to_replica": name}))
         rows.append({"replica": name, "requests": len(recs), "prompt_tokens": prompt, "reused_tokens": reused,
                      "hit_rate": reused / prompt if prompt else 0.0,
-                     **{k: int(_sum(run.metrics, "prefix_router_cache_requests_total", result=k, **labels))
+                     **{k: int(sample_sum(run.metrics, "prefix_router_cache_requests_total", result=k, **labels))
                         for k in ("hit", *MISSES)},
                      "spilled_in": int(spill), "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99)})
     return rows
@@ -211,7 +197,7 @@ def _table(rows: list[dict]) -> list[str]:
 
 def _side_by_side(totals: dict[str, dict], runs: list[PolicyRun]) -> list[str]:
     a, b = (totals[p] for p in POLICIES)
-    lost = {run.policy: {cause: int(_sum(run.metrics, "prefix_router_lost_tokens_total", cause=cause))
+    lost = {run.policy: {cause: int(sample_sum(run.metrics, "prefix_router_lost_tokens_total", cause=cause))
                          for cause in ("changed", "routed", "evicted")} for run in runs}
     errors = {run.policy: sum(1 for r in run.records if r.status != 200 or r.error) for run in runs}
 

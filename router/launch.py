@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .tiny_model import VERSION as TINY_MODEL_VERSION  # a folder built by another version is rebuilt
 
-__all__ = ["Server", "free_port", "running", "sim_server", "gateway_server", "vllm_server", "find_vllm_python",
+__all__ = ["Server", "free_port", "running", "sim_server", "gateway_server", "vllm_server", "find_vllm_python", "can_import_vllm",
            "build_tiny_model", "KV_BYTES_PER_TOKEN_TINY", "TINY_MODEL_SCRIPT"]
 
 TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
@@ -148,9 +148,14 @@ def find_vllm_python(explicit: str | os.PathLike | None = None) -> Path | None:
                   Path.cwd() / ".venv-vllm" / "bin" / "python",
                   Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"]
     for c in candidates:
-        if c and Path(c).exists() and subprocess.run([str(c), "-c", "import vllm"], capture_output=True).returncode == 0:
+        if c and can_import_vllm(Path(c)):
             return Path(c)
     return None
+
+
+def can_import_vllm(python: Path) -> bool:
+    """Whether ``python`` exists and can ``import vllm`` (a few seconds: vllm's import is heavy)."""
+    return python.exists() and subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode == 0
 
 
 def build_tiny_model(out: Path, python: Path | str = sys.executable, corpus: Path | None = None,

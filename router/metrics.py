@@ -8,8 +8,9 @@ are bounded: replica names come from the configuration, and ``route``, ``result`
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["GatewayMetrics", "METRIC_NAMES"]
+__all__ = ["GatewayMetrics", "METRIC_NAMES", "sample_sum"]
 
 # Seconds; TTFT and request buckets follow vLLM's so the two sides line up on a dashboard.
 ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
@@ -64,3 +65,14 @@ METRIC_NAMES = (
     "prefix_router_replica_inflight", "prefix_router_replica_healthy", "prefix_router_routing_seconds",
     "prefix_router_ttft_seconds", "prefix_router_request_seconds",
 )
+
+
+def sample_sum(page: str, name: str, **labels: str) -> float:
+    """Sum of the samples named ``name`` (``..._total`` for counters) whose labels include
+    ``labels``, in a Prometheus text page (this gateway's or a replica's ``/metrics``)."""
+    total = 0.0
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total

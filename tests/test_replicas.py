@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from router.blocks import BlockHash
 from router.config import HealthConfig, ReplicaConfig
 from router.replicas import ReplicaState, apply_health, apply_metrics
@@ -33,20 +35,16 @@ def fail_then_recover(replica: ReplicaState) -> None:
     assert not replica.routable, "back on the ring before its counters were checked"
 
 
-def test_a_replica_that_only_stalled_keeps_its_shadow_index_after_recovering():
+@pytest.mark.parametrize(("queries_after", "blocks_kept"), [
+    (800, 10),  # counters kept growing: the same process, only slow; its cache is intact
+    (0, 0),  # counters started again: a new process with an empty cache
+])
+def test_after_a_recovery_only_counters_that_went_back_clear_the_shadow_index(queries_after, blocks_kept):
     replica = replica_with_history()
     fail_then_recover(replica)
-    apply_metrics(replica, page(800))  # counters kept growing: the same process
+    apply_metrics(replica, page(queries_after))
     assert replica.routable
-    assert len(replica.shadow) == 10
-
-
-def test_a_replica_whose_counters_went_back_restarted_and_loses_its_shadow_index():
-    replica = replica_with_history()
-    fail_then_recover(replica)
-    apply_metrics(replica, page(0))  # a new process: counters start again
-    assert replica.routable
-    assert len(replica.shadow) == 0
+    assert len(replica.shadow) == blocks_kept
 
 
 def test_a_restart_seen_only_by_the_metrics_clears_the_index_without_a_health_failure():

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,8 +35,7 @@ VENV = Path(os.environ.get("PREFIX_ROUTER_VLLM_VENV", ROOT / ".venv-vllm"))
 def require_vllm() -> Path:
     """The vLLM environment's python; skip (or fail under PREFIX_ROUTER_REQUIRE_VLLM=1) without it."""
     python = VENV / "bin" / "python"
-    ok = python.exists() and subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode == 0
-    if not ok:
+    if not launch.can_import_vllm(python):
         reason = (f"real vLLM engine not installed at {VENV}; run `make vllm-env` "
                   "(tests/vllm_tier/make_env.sh: about 4 minutes, 3.5 GB)")
         if os.environ.get("PREFIX_ROUTER_REQUIRE_VLLM") == "1":
@@ -95,3 +93,21 @@ def sim_server(log_dir: Path, *, block_size: int, num_blocks: int, max_model_len
         args += ["--tokenizer", str(tokenizer)]
     with launch.running([launch.sim_server(log_dir, args)]) as (url,):
         yield url
+
+
+def unbounded_hits(prompts: list[list[int]], block_size: int) -> list[int]:
+    """Cached tokens each prompt (token ids, in order) would get from an infinite cache with
+    vLLM's rules (full blocks only, never the last prompt token), by direct comparison of token
+    ids with every earlier prompt: an oracle independent of the block hashes under test."""
+    hits = []
+    for i, prompt in enumerate(prompts):
+        best = 0
+        max_blocks = (len(prompt) - 1) // block_size
+        for earlier in prompts[:i]:
+            n = 0
+            while (n < max_blocks and len(earlier) >= (n + 1) * block_size
+                   and prompt[n * block_size:(n + 1) * block_size] == earlier[n * block_size:(n + 1) * block_size]):
+                n += 1
+            best = max(best, n)
+        hits.append(best * block_size)
+    return hits

@@ -20,7 +20,7 @@ import pytest
 
 from router.replay.workloads import load_trajectories
 
-from .harness import SHARED, post_json, sim_server, tiny_model, vllm_server
+from .harness import SHARED, post_json, sim_server, tiny_model, unbounded_hits, vllm_server
 
 pytestmark = pytest.mark.vllm
 
@@ -43,22 +43,6 @@ def _requests() -> list[tuple[str, dict]]:
             tokens = [rng.randrange(100, 2000) for _ in range(rng.randrange(1500, 3500))]
             out.append(("/v1/completions", {"prompt": tokens, "max_tokens": 8, "ignore_eos": True}))
     return out
-
-
-def _unbounded_hits(prompts: list[list[int]]) -> list[int]:
-    """Cached tokens each prompt would get from an infinite cache, by direct comparison."""
-    hits = []
-    for i, prompt in enumerate(prompts):
-        best = 0
-        max_blocks = (len(prompt) - 1) // BLOCK_SIZE
-        for earlier in prompts[:i]:
-            n = 0
-            while n < max_blocks and prompt[n * BLOCK_SIZE:(n + 1) * BLOCK_SIZE] == earlier[n * BLOCK_SIZE:(n + 1) * BLOCK_SIZE] \
-                    and len(earlier) >= (n + 1) * BLOCK_SIZE:
-                n += 1
-            best = max(best, n)
-        hits.append(best * BLOCK_SIZE)
-    return hits
 
 
 def _token_ids(base: str, path: str, body: dict) -> list[int]:
@@ -88,7 +72,7 @@ def test_sim_matches_vllm_cached_tokens(tmp_path):
     assert sim_ids == real_ids, "chat template rendering differs from the engine's"
     mismatches = [(i, r, s) for i, (r, s) in enumerate(zip(real_cached, sim_cached)) if r != s]
     assert not mismatches, f"(request, vLLM, simulator) cached_tokens differ: {mismatches}"
-    unbounded = _unbounded_hits(real_ids)
+    unbounded = unbounded_hits(real_ids, BLOCK_SIZE)
     assert sum(real_cached) > 0, "no request hit the cache: the test exercised nothing"
     evicted = [i for i, (got, best) in enumerate(zip(real_cached, unbounded)) if got < best]
     assert evicted, "no request lost a hit to eviction: raise the pressure"

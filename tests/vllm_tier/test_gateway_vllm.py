@@ -29,7 +29,7 @@ from router.replay.workloads import load_trajectories
 from router.replicas import parse_engine_metrics
 from router.tokenizer import HFTokenizer
 
-from .harness import SHARED, get, post_json, tiny_model, vllm_spec
+from .harness import SHARED, get, post_json, tiny_model, unbounded_hits, vllm_spec
 
 pytestmark = pytest.mark.vllm
 
@@ -112,22 +112,6 @@ def _replay(url: str, requests) -> list:
     return records
 
 
-def _unbounded_hits(prompts: list[list[int]]) -> int:
-    """Cached tokens an infinite single cache would give these prompts in order (vLLM's rules:
-    full blocks only, never the last prompt token): the most any router could get."""
-    seen: set[tuple[int, ...]] = set()
-    total = 0
-    for prompt in prompts:
-        blocks = [tuple(prompt[i:i + BLOCK_SIZE]) for i in range(0, len(prompt) - BLOCK_SIZE + 1, BLOCK_SIZE)]
-        chain = [tuple(blocks[:n + 1]) for n in range(len(blocks))]  # block identity includes its prefix
-        n = 0
-        while n < min(len(chain), (len(prompt) - 1) // BLOCK_SIZE) and hash(chain[n]) in seen:
-            n += 1
-        total += n * BLOCK_SIZE
-        seen.update(hash(c) for c in chain)
-    return total
-
-
 def test_prefix_affinity_predicts_vllm_and_beats_round_robin(engines, tmp_path):
     requests, kind = _workload()
     tokenizer = HFTokenizer(str(tiny_model()))
@@ -140,7 +124,7 @@ def test_prefix_affinity_predicts_vllm_and_beats_round_robin(engines, tmp_path):
             hits[policy] = _engine_hits(engines) - before
         logs[policy] = _read_log(log)  # complete once the gateway has stopped
     total = sum(map(len, prompts))
-    bound = _unbounded_hits(prompts)
+    bound = sum(unbounded_hits(prompts, BLOCK_SIZE))  # the most any router could get
     lines = logs["prefix-affinity"]
     assert len(lines) == len(requests) and all(line["status"] == 200 for line in lines)
     assert sum(line["prompt_tokens"] for line in lines) == total, "the gateway's tokens are not the engine's"
