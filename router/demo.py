@@ -123,8 +123,7 @@ def _replay_through(policy: str, urls: list[str], requests, args, tokenizer: Pat
     return PolicyRun(policy, names, records, metrics, sites, wall)
 
 
-def _run_sim(requests, args, cache: Path, log_dir: Path) -> list[PolicyRun]:
-    tokenizer = launch.build_tiny_model(cache / "tiny-tokenizer", tokenizer_only=True)
+def _run_sim(requests, args, tokenizer: Path, log_dir: Path) -> list[PolicyRun]:
     sim_args = ["--model", SERVED_NAME, "--tokenizer", str(tokenizer), "--time-scale", str(args.time_scale),
                 "--num-blocks", str(args.num_blocks or 28_000)]
     runs = []
@@ -134,12 +133,7 @@ def _run_sim(requests, args, cache: Path, log_dir: Path) -> list[PolicyRun]:
     return runs
 
 
-def _run_vllm(requests, args, cache: Path, log_dir: Path) -> list[PolicyRun]:
-    python = launch.find_vllm_python(args.vllm_python)
-    if python is None:
-        raise RuntimeError("no Python that can import vllm: run `make vllm-env` (the CPU build), or pass "
-                           "--vllm-python")
-    model = Path(args.model) if args.model else launch.build_tiny_model(cache / "tiny-model", python)
+def _run_vllm(requests, args, model: Path, python: Path, log_dir: Path) -> list[PolicyRun]:
     print(f"starting {args.replicas} vLLM replicas (30-75 s each on CPU, started together)", file=sys.stderr)
     if args.model:  # the user's model: vLLM sizes its KV cache and context itself
         sizing = {"num_blocks": None, "max_model_len": None}
@@ -158,6 +152,14 @@ def _run_vllm(requests, args, cache: Path, log_dir: Path) -> list[PolicyRun]:
     return runs
 
 
+def _vocab_size(tokenizer: Path) -> int:
+    """Token ids a Mooncake trace may use: the tokenizer's vocabulary, which replicas check."""
+    from tokenizers import Tokenizer
+
+    path = tokenizer / "tokenizer.json"
+    return Tokenizer.from_file(str(path)).get_vocab_size() if path.exists() else 32_000
+
+
 def _replica_rows(run: PolicyRun, scale: float) -> list[dict]:
     by_replica: dict[str, list[Record]] = defaultdict(list)
     for r in run.records:
@@ -171,7 +173,7 @@ def _replica_rows(run: PolicyRun, scale: float) -> list[dict]:
         reused = sum(r.cached_tokens or 0 for r in recs)
         ttft = [r.ttft_s * scale for r in recs if r.ttft_s is not None]
         spill = sample_sum(run.metrics, "prefix_router_spillovers_total",
-                     **({} if name == "total" else {"to_replica": name}))
+                           **({} if name == "total" else {"to_replica": name}))
         rows.append({"replica": name, "requests": len(recs), "prompt_tokens": prompt, "reused_tokens": reused,
                      "hit_rate": reused / prompt if prompt else 0.0,
                      **{k: int(sample_sum(run.metrics, "prefix_router_cache_requests_total", result=k, **labels))
@@ -265,10 +267,19 @@ def run(args: argparse.Namespace) -> int:
     args.time_scale = args.time_scale or 10.0
     if vllm and args.limit is None and args.trace is None:
         args.limit = VLLM_DEFAULT_LIMIT
+    cache = _cache_dir(args.cache_dir)
     try:
-        requests = load_workload(args.trace, workload="mixed", limit=args.limit,
-                                 vocab_size=2000 if vllm and not args.model else 32_000)
-    except (OSError, ValueError) as exc:
+        python = None
+        if vllm:
+            python = launch.find_vllm_python(args.vllm_python)
+            if python is None:
+                raise RuntimeError("no Python that can import vllm: run `make vllm-env` (the CPU build), or "
+                                   "pass --vllm-python")
+            model = Path(args.model) if args.model else launch.build_tiny_model(cache / "tiny-model", python)
+        else:
+            model = launch.build_tiny_model(cache / "tiny-tokenizer", tokenizer_only=True)
+        requests = load_workload(args.trace, workload="mixed", limit=args.limit, vocab_size=_vocab_size(model))
+    except (OSError, ValueError, RuntimeError) as exc:
         print(f"prefix-router demo: {exc}", file=sys.stderr)
         return 2
     sessions = len({r.session for r in requests if r.session is not None})
@@ -284,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"prefix-router demo: {len(requests)} requests through {args.replicas} {kind} replicas, with prefix "
           f"affinity and then round-robin (logs in {log_dir})", file=sys.stderr)
     try:
-        runs = (_run_vllm if vllm else _run_sim)(requests, args, _cache_dir(args.cache_dir), log_dir)
+        runs = (_run_vllm(requests, args, model, python, log_dir) if vllm
+                else _run_sim(requests, args, model, log_dir))
     except (RuntimeError, OSError) as exc:
         print(f"prefix-router demo: {exc}\n(logs in {log_dir})", file=sys.stderr)
         return 2
