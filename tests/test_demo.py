@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 MISSES = ("miss_cold", "miss_changed", "miss_routed", "miss_evicted")
 
@@ -39,3 +42,16 @@ def test_demo_reports_consistent_figures_and_affinity_beats_round_robin(tmp_path
     assert affinity["miss_routed"] < rr["miss_routed"]
     assert affinity["miss_changed"] > 0  # the workload's cache-breaking clients are reported
     assert figures["change_sites"] and {site["message_index"] for site in figures["change_sites"]} & {-1, 0}
+
+
+def test_demo_replays_a_mooncake_trace_without_errors(tmp_path):
+    trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+    if not trace.exists():
+        pytest.skip(f"{trace} not found: the shared trace folder is absent (a user's clone has none)")
+    out = tmp_path / "demo.json"
+    proc = subprocess.run([sys.executable, "-m", "router.cli", "demo", "--trace", str(trace), "--limit", "40",
+                           "--replicas", "2", "--json", str(out), "--cache-dir", str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]  # token ids the replicas accept
+    for rows in json.loads(out.read_text())["per_replica"].values():
+        assert rows[-1]["requests"] == 40 and rows[-1]["prompt_tokens"] > 0
