@@ -8,7 +8,7 @@ VLLM_VENV := .venv-vllm
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q -e '.[test,bench]'
 	touch $@
 
 # The project alone (no vLLM engine, no tests run): about a minute.

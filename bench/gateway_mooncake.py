@@ -22,43 +22,15 @@ import sys
 import time
 from pathlib import Path
 
-from router.blocks import block_hashes, seed_hash
 from router.replay.client import replay
 from router.replay.summary import summarize
 from router.replay.workloads import load_mooncake
-from router.sim.kv_cache import KVCache
 
 from .fleet import ROOT, fleet, gateway, metric_sum, scrape
+from .pooled import pooled_hit_rate
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 MODEL = "sim"
-
-
-def pooled_hit_rate(requests, num_gpu_blocks: int, block_size: int) -> float:
-    """Token hit rate of one cache of ``num_gpu_blocks`` serving ``requests`` in order.
-
-    Each request hits its longest cached prefix (vLLM's rules), then holds its prompt and
-    output blocks (output blocks get unique hashes, as generated tokens do) and frees them.
-    """
-    kv = KVCache(num_gpu_blocks, block_size)
-    seed = seed_hash(MODEL, None)
-    reused = total = 0
-    unique = iter(range(1 << 62, 1 << 63))
-    for req in requests:
-        prompt = req.body["prompt"]
-        hashes = block_hashes(prompt, block_size, seed)
-        hit = kv.find_longest_cache_hit(hashes, len(prompt))
-        num_tokens = len(prompt) + req.body["max_tokens"] - 1
-        held: list = []
-        if not kv.allocate(held, hit, num_tokens):
-            continue
-        full = num_tokens // block_size
-        chain = list(hashes[:full]) + [next(unique) for _ in range(full - len(hashes[:full]))]
-        kv.cache_full_blocks(held, chain, len(hit), full)
-        kv.free(held)
-        reused += len(hit) * block_size
-        total += len(prompt)
-    return reused / total
 
 
 def run_policy(policy: str, requests, args, log_dir: Path) -> dict:

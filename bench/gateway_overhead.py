@@ -60,17 +60,21 @@ def conversations(size: int, count: int, turns: int, seed: int = 0) -> list[list
 
 
 async def fixed_rate(url: str, requests: list[list[dict]], rate: float) -> list[tuple[float, float]]:
-    """Send at ``rate``/s regardless of responses; (TTFT, latency) per request in seconds."""
+    """Send at ``rate``/s regardless of responses; (TTFT, latency) per request in seconds, TTFT 0.0
+    for a request that failed (an HTTP error or a broken connection)."""
     out: list[tuple[float, float] | None] = [None] * len(requests)
 
     async def one(i: int, http: aiohttp.ClientSession) -> None:
         body = {"model": MODEL, "messages": requests[i], "max_tokens": 8, "stream": True}
         start = time.perf_counter()
         ttft = None
-        async with http.post(url + "/v1/chat/completions", json=body) as resp:
-            async for line in resp.content:
-                if ttft is None and line.startswith(b"data: {"):
-                    ttft = time.perf_counter() - start
+        try:
+            async with http.post(url + "/v1/chat/completions", json=body) as resp:
+                async for line in resp.content:
+                    if ttft is None and resp.status == 200 and line.startswith(b"data: {"):
+                        ttft = time.perf_counter() - start
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
         out[i] = (ttft or 0.0, time.perf_counter() - start)
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:

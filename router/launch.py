@@ -49,6 +49,7 @@ class Server:
     env: dict[str, str] = field(default_factory=dict)
     startup_s: float = 60.0  # how long /health may take to answer 200
     cwd: Path | None = None
+    pid: int | None = field(default=None, init=False)  # set by ``running`` while it runs
 
     @property
     def url(self) -> str:
@@ -95,6 +96,7 @@ def running(servers: Sequence[Server]) -> Iterator[list[str]]:
             with open(s.log, "w") as out:
                 procs.append(subprocess.Popen(s.cmd, stdout=out, stderr=subprocess.STDOUT, cwd=s.cwd,
                                               env={**os.environ, **s.env}, start_new_session=True))
+            s.pid = procs[-1].pid
         started = time.monotonic()
         for s, p in zip(servers, procs):
             _wait_healthy(s, p, started + s.startup_s)

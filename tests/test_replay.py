@@ -13,7 +13,8 @@ from router.replay.cli import run as replay_cli_run
 from router.replay.client import replay
 from router.replay.generate import builtin_workload
 from router.replay.summary import percentile, summarize
-from router.replay.workloads import CHAT, COMPLETIONS, load_mooncake, load_trajectories, trajectory_messages
+from router.replay.workloads import (CHAT, COMPLETIONS, load_mooncake, load_trajectories, token_text,
+                                     trajectory_messages)
 from router.sim.config import SimConfig
 from router.sim.server import create_app
 from router.tokenizer import ByteTokenizer
@@ -254,6 +255,30 @@ async def test_replay_sends_mooncake_prompts_that_hit_on_shared_hash_ids(sim_url
     assert [r.prompt_tokens for r in records] == [20, 17, 8]
     assert [r.completion_tokens for r in records] == [5, 9, 1]
     assert records[1].cached_tokens == 2 * BLOCK  # ids 1, 2 (block_size 16 = one sim block)
+
+
+def test_mooncake_text_prompts_read_back_as_the_token_ids_with_the_byte_tokenizer(tmp_path):
+    trace = write_jsonl(tmp_path / "t.jsonl", MOONCAKE_LINES)
+    ids = load_mooncake(trace, block_size=BLOCK)
+    texts = load_mooncake(trace, block_size=BLOCK, text=True)
+    tok = ByteTokenizer()
+    for a, b in zip(ids, texts):
+        assert isinstance(b.body["prompt"], str) and b.body["prompt"].isascii()
+        decoded = tok.encode(b.body["prompt"])
+        assert len(decoded) == len(a.body["prompt"])
+        # one token per id, equal exactly where the ids are equal
+        assert all((decoded[i] == decoded[j]) == (a.body["prompt"][i] == a.body["prompt"][j])
+                   for i in range(len(decoded)) for j in range(len(decoded)))
+    with pytest.raises(ValueError, match="does not fit"):
+        token_text([1 << 24])
+
+
+async def test_replay_of_mooncake_text_prompts_hits_like_the_token_ids(sim_url, tmp_path):
+    requests = load_mooncake(write_jsonl(tmp_path / "t.jsonl", MOONCAKE_LINES), block_size=BLOCK, text=True)
+    records = await replay(requests, sim_url, time_scale=1000)
+    assert [r.error for r in records] == [None] * 3
+    assert [r.prompt_tokens for r in records] == [rec["input_length"] for rec in MOONCAKE_LINES]
+    assert records[1].cached_tokens == 2 * BLOCK
 
 
 async def test_summarize_computes_the_token_hit_rate_of_the_records(sim_url):

@@ -10,7 +10,10 @@ Times are modelled seconds; the replayer divides them by its ``--time-scale``.
   ``block_size``-token block, 512 in the release). Each id maps to a fixed block of token ids
   drawn from a generator seeded by the id, so equal ids give equal tokens; the last block holds
   ``input_length - 512 * (len(hash_ids) - 1)`` tokens. Sent as ``/v1/completions`` with a
-  token-id prompt, ``max_tokens = output_length`` and ``ignore_eos``.
+  token-id prompt, ``max_tokens = output_length`` and ``ignore_eos``. With ``text=True`` the
+  prompt is a string instead, 4 ASCII characters per token id (``token_text``): exactly one
+  token each for the simulator's built-in byte tokenizer, so the block structure is unchanged,
+  and readable by routers that only take text prompts (SGLang's gateway rejects token ids).
 - SWE-agent ``.traj`` files (``history`` of messages with tool calls): turn k is the chat
   request holding ``history[:k]`` up to the k-th assistant message; each file is a session.
 - ``builtin_workload``: seeded synthetic chat and agent sessions (see ``generate.py``).
@@ -25,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ReplayRequest", "load_mooncake", "load_trajectories", "mooncake_block_tokens", "load_workload"]
+__all__ = ["ReplayRequest", "load_mooncake", "load_trajectories", "mooncake_block_tokens", "load_workload",
+           "token_text"]
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -54,9 +58,31 @@ def mooncake_block_tokens(hash_id: int, block_size: int, vocab_size: int) -> np.
     return rng.integers(100, vocab_size, size=block_size, dtype=np.int64)
 
 
+_TEXT_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"  # 64 symbols, 6 bits
+
+
+def token_text(token_ids) -> str:
+    """``token_ids`` (each < 2**24) as text, 4 characters from a 64-symbol ASCII alphabet per id.
+
+    Equal ids give equal 4-character groups and different ids different ones, so the byte
+    tokenizer of ``router/tokenizer.py`` (4 bytes a token) reads the text back as one token per
+    id with the same equalities: prefix sharing, and so cache hits, are those of the ids.
+    Raises ValueError for an id outside [0, 2**24).
+    """
+    a = _TEXT_ALPHABET
+    out = []
+    for t in token_ids:
+        t = int(t)
+        if not 0 <= t < 1 << 24:
+            raise ValueError(f"token id {t} does not fit 4 characters of 6 bits")
+        out.append(a[t >> 18] + a[(t >> 12) & 63] + a[(t >> 6) & 63] + a[t & 63])
+    return "".join(out)
+
+
 def load_mooncake(path: str | Path, *, block_size: int = 512, vocab_size: int = 32_000,
-                  limit: int | None = None) -> list[ReplayRequest]:
-    """Read a Mooncake-format JSONL trace into completion requests with token-id prompts.
+                  limit: int | None = None, text: bool = False) -> list[ReplayRequest]:
+    """Read a Mooncake-format JSONL trace into completion requests with token-id prompts
+    (``text=True``: the same prompts as ``token_text`` strings).
 
     Raises ValueError naming the line of a malformed record.
     """
@@ -86,7 +112,7 @@ def load_mooncake(path: str | Path, *, block_size: int = 512, vocab_size: int = 
                     block = cache[h] = mooncake_block_tokens(h, block_size, vocab_size)
                 blocks.append(block)
             tokens = np.concatenate(blocks)[:input_length].tolist()
-            body = {"prompt": tokens, "max_tokens": max(output_length, 1), "ignore_eos": True}
+            body = {"prompt": token_text(tokens) if text else tokens, "max_tokens": max(output_length, 1), "ignore_eos": True}
             requests.append(ReplayRequest(COMPLETIONS, body, at_s=timestamp_ms / 1000.0,
                                           meta={"hash_ids": hash_ids, "input_length": input_length}))
     return requests

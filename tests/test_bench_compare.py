@@ -1,0 +1,89 @@
+"""``python -m bench.compare`` on a small scale: every system runs, the figures add up, and the
+pooled-cache bound bounds them.
+
+Runs the benchmark as a user would, with the peer routers installed by the benchmark itself
+(``bench.peers.ensure_peers``, pip from PyPI into ``.venv-peers``); where that install fails
+(no package index), the peers are left out with the reason and this gateway is still checked.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from bench import compare
+from bench.peers import SYSTEMS, ensure_peers
+from bench.pooled import pooled_hit_rate, prompt_token_ids
+from router.replay.generate import builtin_workload
+from router.replay.workloads import ReplayRequest
+
+PLOTS = ("ttft.png", "reused_per_replica.png", "hit_rate_over_time.png", "overhead.png")
+
+
+def test_quick_mode_fills_unset_knobs_and_explicit_ones_win():
+    args = compare.parse_args(["--quick", "--replicas", "3"])
+    assert args.replicas == 3  # explicit
+    assert args.limit == compare.MODES["quick"]["limit"] and args.mode == "quick"
+    assert compare.parse_args([]).replicas == compare.MODES["full"]["replicas"]
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--systems", "prefix-router,no-such-router"])
+
+
+def test_the_pooled_bound_counts_each_shared_block_once_and_loses_what_it_evicts():
+    block = 16
+    shared = list(range(1000, 1000 + 4 * block))
+    conversation = [ReplayRequest("/v1/completions", {"prompt": shared + [i] * block, "max_tokens": 1})
+                    for i in range(3)]
+    # the first request computes everything; each later one reuses the 4 shared blocks
+    total = sum(len(prompt_token_ids(r)) for r in conversation)
+    assert pooled_hit_rate(conversation, 1000, block) == pytest.approx(2 * 4 * block / total)
+    # unrelated 5-block prompts in between fill a 5-block cache and evict the shared blocks
+    other = [ReplayRequest("/v1/completions", {"prompt": [5000 + i] * (5 * block), "max_tokens": 1})
+             for i in range(2)]
+    mixed = [conversation[0], other[0], conversation[1], other[1], conversation[2]]
+    assert pooled_hit_rate(mixed, 1000, block) == pytest.approx(2 * 4 * block / (total + 10 * block))
+    assert pooled_hit_rate(mixed, 6, block) == 0.0  # 6 blocks: the null block and 5 usable
+
+
+def test_the_pooled_bound_reads_chat_prompts_as_the_simulator_renders_them():
+    requests = builtin_workload("agent", sessions=2, seed=3)
+    tokens = [prompt_token_ids(r) for r in requests]
+    assert all(isinstance(t, list) and t for t in tokens)
+    assert 0 < pooled_hit_rate(requests, 100_000, 16) < 1
+
+
+def test_a_small_run_of_every_system_adds_up(tmp_path):
+    systems = [s for s in SYSTEMS if not s.is_peer]
+    try:
+        ensure_peers()
+        systems = list(SYSTEMS)
+    except subprocess.CalledProcessError as exc:
+        print(f"peer routers left out: installing them failed ({exc})")
+    out = tmp_path / "out"
+    argv = ["--quick", "--traces", "--replicas", "2", "--sessions", "3", "--rates", "20", "--seconds", "1",
+            "--systems", ",".join(s.name for s in systems), "--out", str(out)]
+    assert compare.main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["machine"]["cores"] and results["machine"]["python"]
+    assert [w["name"] for w in results["workloads"]] == ["builtin-chat", "builtin-agent"]  # no trace given
+    for w in results["workloads"]:
+        assert [r["system"] for r in w["rows"]] == [s.name for s in systems]
+        for r in w["rows"]:
+            assert r["errors"] == 0, (w["name"], r["system"], r["first_error"])
+            assert r["requests"] == w["requests"]
+            assert len(r["reused_per_replica"]) == 2
+            # these workloads fit in the fleet's cache: no router can beat one pooled cache
+            assert 0 < r["hit_rate"] <= w["pooled_bound"] + 1e-9, (w["name"], r["system"])
+            assert r["ttft_p50_s"] <= r["ttft_p90_s"] <= r["ttft_p99_s"]
+        rates = {r["system"]: r["hit_rate"] for r in w["rows"]}
+        assert rates["prefix-router"] > rates["round-robin"], w["name"]
+    table = (out / "results.md").read_text()
+    assert table.count("| builtin-agent |") == len(systems)
+    overhead = results["overhead"]
+    assert [r["system"] for r in overhead["rows"]] == [s.name for s in systems]
+    assert all(r["errors"] == 0 and r["cpu_s_per_1k"] > 0 for r in overhead["rows"])
+    assert set(overhead["sustained"]) == {s.name for s in systems}
+    for name in PLOTS:
+        assert (out / name).read_bytes()[:4] == b"\x89PNG", name
