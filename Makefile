@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
 
-.PHONY: venv demo test test-fast vllm-env bench-sim clean
+.PHONY: venv demo test test-fast vllm-env bench-sim bench-compare bench-compare-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,5 +37,13 @@ test-fast: $(VENV)/.installed
 bench-sim: $(VENV)/.installed
 	$(VENV)/bin/python -m bench.sim_throughput
 
+# This gateway against round-robin, vllm-router and sglang-router (installed into .venv-peers
+# by the benchmark): quick is under 5 minutes on 2 cores, the full run about 40.
+bench-compare-quick: $(VENV)/.installed
+	$(VENV)/bin/python -m bench.compare --quick $(ARGS)
+
+bench-compare: $(VENV)/.installed
+	$(VENV)/bin/python -m bench.compare $(ARGS)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .venv-peers .cache .pytest_cache
