@@ -130,12 +130,17 @@ class PrefixAffinityPolicy:
         own = max(depth, self.branches.parted_depth(hashes, cfg.max_key_blocks)) if matches[best] >= depth else depth
         if best in fits and matches[best] >= own and matches[best] > matches[owner]:
             replica, route = best, Route.STICKY
+        elif owner in fits:
+            replica, route = owner, Route.AFFINITY
         else:
-            replica = next((n for n in order if n in fits), None)
-            if replica is None:
-                replica, route = min(order, key=lambda n: replicas[n].load), Route.FALLBACK
+            # Spill to the replica that holds most of this prompt (ties: ring order), so the
+            # overflow of one hot prefix lands where earlier overflow already computed it;
+            # with nothing cached anywhere that is the next replica on the ring.
+            spill = [n for n in order if n in fits]
+            if spill:
+                replica, route = max(spill, key=lambda n: matches[n]), Route.SPILL
             else:
-                route = Route.AFFINITY if replica == owner else Route.SPILL
+                replica, route = min(order, key=lambda n: replicas[n].load), Route.FALLBACK
         return Decision(replica, route, [replica] + [n for n in order if n != replica],
                         predicted_blocks=matches[replica], best_blocks=matches[best], best_replica=best,
                         key_depth=depth, key=key, spilled_from=owner if route is Route.SPILL else None, matches=matches)

@@ -142,6 +142,22 @@ def test_the_spill_walks_the_ring_past_every_overloaded_candidate():
     assert d.replica == order[2] and d.route is Route.SPILL and d.spilled_from == order[0]
 
 
+def test_a_spill_goes_to_the_fitting_replica_holding_most_of_the_prompt_not_just_the_next_one():
+    config = RoutingConfig(spill_queue_depth=5)
+    policy, ring, branches, views = setup(config)
+    hashes = fresh(6)
+    branches.record(hashes[:4] + fresh(2), 64)  # another prompt shares the first 4 blocks: not sticky
+    order = ring.candidates(select(policy, hashes, views).key)
+    views[order[0]].load = config.spill_queue_depth  # the owner is overloaded
+    views[order[3]].shadow.insert(hashes[:4])  # an earlier spill computed the shared part there
+    views[order[2]].shadow.insert(hashes[:1])
+    d = select(policy, hashes, views)
+    assert d.replica == order[3] and d.route is Route.SPILL and d.spilled_from == order[0]
+    assert d.predicted_blocks == 4
+    views[order[3]].load = config.spill_queue_depth  # that one overloaded too: the next best
+    assert select(policy, hashes, views).replica == order[2]
+
+
 def test_when_every_replica_is_overloaded_the_least_loaded_takes_it_as_a_fallback():
     config = RoutingConfig(spill_queue_depth=4)
     policy, _, _, views = setup(config)
