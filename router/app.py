@@ -2,13 +2,14 @@
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (routed and proxied),
 ``GET /v1/models`` (from the first healthy replica), ``GET /health`` (liveness), ``GET /ready``
-(200 when at least one replica is healthy, else 503), ``GET /metrics``, ``GET /replicas``.
+(200 when at least one replica is on the ring, else 503), ``GET /metrics``, ``GET /replicas``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import aiohttp
 from aiohttp import web
@@ -18,6 +19,7 @@ from .config import GatewayConfig
 from .gateway import Gateway
 from .errors import openai_error
 from .proxy import REPLICA_HEADER, handle_generate
+from .discovery import discover_once, poll_dns
 from .replicas import poll_health, poll_metrics, scrape_once
 from .tokenizer import PromptTokenizer
 
@@ -28,6 +30,7 @@ GATEWAY = web.AppKey("gateway", Gateway)
 
 async def _sync_loop(gw: Gateway, interval_s: float) -> None:
     while True:
+        gw.forget_drained(time.monotonic())
         gw.sync_ring()
         await asyncio.sleep(interval_s)
 
@@ -47,12 +50,16 @@ def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None) 
         gw.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=up.max_connections),
                                         timeout=timeout, auto_decompress=False,
                                         headers={"Accept-Encoding": "identity"})
+        if config.discovery.dns:  # the first lookup before serving, so a discovery-only gateway is ready at once
+            await discover_once(gw, config.discovery)
         replicas = list(gw.replicas.values())
         await asyncio.gather(*(scrape_once(gw.http, r, 2.0) for r in replicas))
         gw.sync_ring()
-        tasks = [asyncio.create_task(poll_health(gw.http, replicas, config.health)),
-                 asyncio.create_task(poll_metrics(gw.http, replicas, config.scrape.interval_s)),
+        tasks = [asyncio.create_task(poll_health(gw.http, gw.replicas, config.health)),
+                 asyncio.create_task(poll_metrics(gw.http, gw.replicas, config.scrape.interval_s)),
                  asyncio.create_task(_sync_loop(gw, min(config.scrape.interval_s, config.health.interval_s) / 2))]
+        if config.discovery.dns:
+            tasks.append(asyncio.create_task(poll_dns(gw, config.discovery)))
         yield
         for task in tasks:
             task.cancel()
@@ -89,8 +96,8 @@ def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None) 
         return web.json_response({"status": "ok"})
 
     async def ready(request: web.Request) -> web.Response:
-        healthy = sum(r.healthy for r in gw.replicas.values())
-        return web.json_response({"healthy_replicas": healthy}, status=200 if healthy else 503)
+        routable = sum(r.routable for r in gw.replicas.values())
+        return web.json_response({"healthy_replicas": routable}, status=200 if routable else 503)
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(gw.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

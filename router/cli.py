@@ -79,6 +79,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--policy", default=None, choices=("prefix-affinity", "round-robin", "least-loaded"))
     p.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer folder (exact token blocks)")
+    p.add_argument("--discover", default=None, metavar="DNS_NAME",
+                   help="also take as replicas every address this name resolves to, e.g. the "
+                        "headless Service of the vLLM pods (discovery.dns)")
     p.add_argument("--request-log", default=None, metavar="FILE",
                    help="append one JSON line per request (routing and cache outcome, no prompt text)")
     p.set_defaults(func=_run_serve)
@@ -99,10 +102,13 @@ def _run_serve(args: argparse.Namespace) -> int:
         overrides["replicas"] = list(args.replica)
     if args.policy:
         overrides["routing"] = {"policy": args.policy}
+    if args.discover:
+        overrides["discovery"] = {"dns": args.discover}
     try:
         config = load_config(args.config, overrides=overrides)
-        if not config.replicas:
-            raise ConfigError("replicas: at least one replica is needed (--replica URL or the config file)")
+        if not config.replicas and not config.discovery.dns:
+            raise ConfigError("replicas: at least one replica is needed (--replica URL, --discover DNS_NAME "
+                              "or the config file)")
         tokenizer = HFTokenizer(config.tokenizer) if config.tokenizer else None
         app = create_app(config, tokenizer)
     except (ConfigError, OSError) as exc:
@@ -110,7 +116,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         return 2
     web.run_app(app, host=config.host, port=config.port, access_log=None, handler_cancellation=True,
                 print=lambda *_: print(f"prefix-router gateway on http://{config.host}:{config.port} "
-                                       f"({config.routing.policy}, {len(config.replicas)} replicas)", flush=True))
+                                       f"({config.routing.policy}, {len(config.replicas)} replicas"
+                                       + (f", discovering {config.discovery.dns}" if config.discovery.dns else "")
+                                       + ")", flush=True))
     return 0
 
 

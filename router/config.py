@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 import yaml
 
 __all__ = ["POLICIES", "ConfigError", "ReplicaConfig", "RoutingConfig", "IndexConfig",
-           "HealthConfig", "ScrapeConfig", "UpstreamConfig", "LimitsConfig", "GatewayConfig",
+           "HealthConfig", "ScrapeConfig", "UpstreamConfig", "LimitsConfig", "DiscoveryConfig", "GatewayConfig",
            "load_config", "config_from_dict"]
 
 POLICIES = ("prefix-affinity", "round-robin", "least-loaded")
@@ -142,6 +142,23 @@ class UpstreamConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class DiscoveryConfig:
+    """Replicas found by resolving a DNS name (router/discovery.py), besides the static list."""
+
+    # name whose A/AAAA records are the replicas, e.g. the headless Service of the vLLM pods
+    # (vllm.<namespace>.svc.cluster.local); None: the static replicas list only
+    dns: str | None = None
+    port: int = 8000  # vLLM's OpenAI server default port (vllm serve --port)
+    scheme: str = "http"
+    # seconds between lookups: CoreDNS answers for Services with a 5 s TTL by default
+    interval_s: float = 5.0
+    # a replica gone from DNS gets no new requests at once; its state (shadow index, metrics)
+    # is kept this long, and until its in-flight requests finish, so streams end cleanly and
+    # a pod that comes back (a DNS blip, a brief NotReady) keeps what it had cached
+    drain_s: float = 30.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LimitsConfig:
     """Limits on what clients may send."""
 
@@ -169,6 +186,7 @@ class GatewayConfig:
     scrape: ScrapeConfig = ScrapeConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     limits: LimitsConfig = LimitsConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
 
 
 # --- value checks ------------------------------------------------------------------------
@@ -225,6 +243,18 @@ def _http_url(value: str) -> str:
     return url
 
 
+def _dns_name(value: str) -> str:
+    """A host name (RFC 1123 labels) without scheme, port or path."""
+    expected = "a DNS name such as vllm.default.svc.cluster.local (no scheme, port or path)"
+    name = value.rstrip(".")
+    labels = name.split(".")
+    if not name or len(name) > 253 or any(
+            not label or len(label) > 63 or label[0] == "-" or label[-1] == "-"
+            or not all(c.isascii() and (c.isalnum() or c == "-") for c in label) for label in labels):
+        raise _Reject(expected)
+    return name
+
+
 _POSITIVE = _bounded(1)
 _NON_NEGATIVE = _bounded(0)
 _TIME = _bounded(0, strict=True)  # seconds
@@ -256,6 +286,11 @@ _CHECKS: dict[tuple[type, str], _Check] = {
     (UpstreamConfig, "max_retries"): _NON_NEGATIVE,
     (UpstreamConfig, "max_connections"): _NON_NEGATIVE,
     (LimitsConfig, "max_body_bytes"): _POSITIVE,
+    (DiscoveryConfig, "dns"): _dns_name,
+    (DiscoveryConfig, "port"): _bounded(1, 65535),
+    (DiscoveryConfig, "scheme"): _one_of("http", "https"),
+    (DiscoveryConfig, "interval_s"): _TIME,
+    (DiscoveryConfig, "drain_s"): _NON_NEGATIVE,
     (GatewayConfig, "host"): _non_empty,
     (GatewayConfig, "port"): _bounded(0, 65535),
     (GatewayConfig, "tokenizer"): _non_empty,

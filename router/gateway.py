@@ -11,12 +11,13 @@ the branch points and histories only from the requests it sees.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import aiohttp
 
-from .config import GatewayConfig
+from .config import GatewayConfig, ReplicaConfig
 from .conversations import Conversations, Verdict
 from .index import BranchStats
 from .metrics import GatewayMetrics
@@ -53,13 +54,56 @@ class Gateway:
         self.conversations = Conversations(config.index.max_conversations)
         self.replicas: dict[str, ReplicaState] = {}
         for rc in config.replicas:
-            state = ReplicaState(rc, replica_name(rc.url), block_size=rc.block_size, num_gpu_blocks=rc.num_gpu_blocks)
-            self.replicas[state.name] = state
+            self.add_replica(rc)
         self.sync_ring()  # every replica starts healthy, so on the ring
         self.change_sites: Counter[tuple[int, int]] = Counter()
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.http: aiohttp.ClientSession | None = None
         self.request_log = RequestLog(config.request_log) if config.request_log else None
+
+    def add_replica(self, rc: ReplicaConfig, *, discovered: bool = False) -> ReplicaState:
+        """Know a replica. A discovered one joins the ring after its first ``/metrics`` scrape
+        (``recovering``), which also reads its block size and capacity."""
+        state = ReplicaState(rc, replica_name(rc.url), block_size=rc.block_size, num_gpu_blocks=rc.num_gpu_blocks,
+                             discovered=discovered, recovering=discovered)
+        self.replicas[state.name] = state
+        return state
+
+    def apply_discovery(self, urls: Iterable[str], now: float) -> tuple[list[str], list[str]]:
+        """Make the discovered replicas those at ``urls`` (base URLs); ``now``: monotonic seconds.
+
+        New URLs are added; a discovered replica missing from ``urls`` starts draining (off the
+        ring, forgotten by ``forget_drained``); a draining one that is back stops draining and
+        keeps its shadow index. Static replicas are never touched. Returns (added, drained) names.
+        """
+        wanted = {replica_name(u): u for u in urls}
+        added, drained = [], []
+        for name, url in wanted.items():
+            replica = self.replicas.get(name)
+            if replica is None:
+                self.add_replica(ReplicaConfig(url=url), discovered=True)
+                added.append(name)
+            elif replica.draining_since is not None:
+                replica.draining_since = None
+        for name, replica in self.replicas.items():
+            if replica.discovered and name not in wanted and replica.draining_since is None:
+                replica.draining_since = now
+                drained.append(name)
+        if added or drained:
+            self.sync_ring()
+        return added, drained
+
+    def forget_drained(self, now: float) -> list[str]:
+        """Drop replicas that left discovery at least ``discovery.drain_s`` ago and have nothing
+        in flight: their state and their metric series. Returns their names."""
+        drain_s = self.config.discovery.drain_s
+        gone = [name for name, r in self.replicas.items()
+                if r.draining_since is not None and now - r.draining_since >= drain_s and r.inflight == 0]
+        for name in gone:
+            del self.replicas[name]
+            self.ring.remove(name)
+            self.metrics.forget_replica(name)
+        return gone
 
     @property
     def block_size(self) -> int:
@@ -109,7 +153,8 @@ class Gateway:
             "routing": "exact token blocks" if self.tokenizer is not None else
                        f"approximate: {self.config.routing.char_block_size}-character blocks (no tokenizer configured)",
             "replicas": [{
-                "name": r.name, "url": r.url, "healthy": r.healthy, "queue_depth": r.load,
+                "name": r.name, "url": r.url, "healthy": r.healthy, "routable": r.routable,
+                "discovered": r.discovered, "draining": r.draining_since is not None, "queue_depth": r.load,
                 "waiting": r.waiting, "running": r.running, "inflight": r.inflight,
                 "block_size": r.block_size, "num_gpu_blocks": r.num_gpu_blocks,
                 "capacity_tokens": (r.num_gpu_blocks - 1) * r.block_size if r.num_gpu_blocks and r.block_size else None,

@@ -1,8 +1,9 @@
 """Every metric the gateway exports, in one place, against a registry tests can replace.
 
 Names are the gateway's own (``prefix_router_*``), never the engine's ``vllm:*``. Label values
-are bounded: replica names come from the configuration, and ``route``, ``result``, ``cause`` and
-``code`` from fixed sets; no prompt text ever becomes a label.
+are bounded: replica names come from the configuration or discovery (the series of a replica
+discovery dropped are removed), and ``route``, ``result``, ``cause`` and ``code`` from fixed
+sets; no prompt text ever becomes a label.
 """
 
 from __future__ import annotations
@@ -56,6 +57,27 @@ class GatewayMetrics:
                               ("replica",), buckets=TTFT_BUCKETS, registry=r)
         self.request_seconds = Histogram("prefix_router_request_seconds", "Request duration seen by the gateway.",
                                          ("replica",), buckets=REQUEST_BUCKETS, registry=r)
+        self._per_replica = (  # (metric, its label names): what forget_replica clears
+            (self.requests, ("replica", "route", "code")), (self.cache_requests, ("replica", "result")),
+            (self.prompt_tokens, ("replica",)), (self.cached_predicted, ("replica",)), (self.cached, ("replica",)),
+            (self.lost_tokens, ("replica", "cause")), (self.spillovers, ("from_replica", "to_replica")),
+            (self.queue_depth, ("replica",)), (self.inflight, ("replica",)), (self.healthy, ("replica",)),
+            (self.ttft, ("replica",)), (self.request_seconds, ("replica",)))
+
+    def forget_replica(self, name: str) -> int:
+        """Remove every series labelled with replica ``name`` (one that discovery dropped), so
+        pod churn does not grow the label sets without bound. Returns the series removed."""
+        removed = 0
+        for metric, labelnames in self._per_replica:
+            keys = set()
+            for family in metric.collect():
+                for sample in family.samples:
+                    if any(sample.labels.get(label) == name for label in labelnames if "replica" in label):
+                        keys.add(tuple(sample.labels[label] for label in labelnames))
+            for key in keys:
+                metric.remove(*key)
+                removed += 1
+        return removed
 
 
 METRIC_NAMES = (

@@ -137,7 +137,9 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
     """Try the decision's candidates in order until one answers below 500 (retries bounded)."""
     last_error = "no replica answered"
     for name in decision.candidates[: gw.config.upstream.max_retries + 1]:
-        replica = gw.replicas[name]
+        replica = gw.replicas.get(name)
+        if replica is None:  # dropped by discovery while an earlier attempt ran
+            continue
         replica.sent_since_scrape += 1
         epoch = replica.scrape_epoch
         replica.inflight += 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -56,6 +57,8 @@ class ReplicaState:
     failures: int = 0
     successes: int = 0
     recovering: bool = False  # healthy again, off the ring until a scrape tells a restart from a stall
+    discovered: bool = False  # found by DNS (router/discovery.py), not listed in the configuration
+    draining_since: float | None = None  # monotonic time it left DNS; off the ring from then on
     shadow: ShadowIndex = field(default_factory=lambda: ShadowIndex(DEFAULT_CAPACITY_BLOCKS))
 
     @property
@@ -64,8 +67,9 @@ class ReplicaState:
 
     @property
     def routable(self) -> bool:
-        """On the ring: healthy, and past the restart check that follows a recovery."""
-        return self.healthy and not self.recovering
+        """On the ring: healthy, past the restart check that follows a recovery (or a new
+        replica's first scrape), and not draining."""
+        return self.healthy and not self.recovering and self.draining_since is None
 
     @property
     def load(self) -> int:
@@ -117,11 +121,13 @@ def apply_health(replica: ReplicaState, ok: bool, config: HealthConfig) -> None:
             log.warning("replica %s failed %d health checks; off the ring", replica.name, replica.failures)
 
 
-async def poll_health(http: aiohttp.ClientSession, replicas: list[ReplicaState], config: HealthConfig) -> None:
-    """Check every replica's /health forever."""
+async def poll_health(http: aiohttp.ClientSession, replicas: Mapping[str, ReplicaState], config: HealthConfig) -> None:
+    """Check every replica's /health forever (the mapping is read anew each round, so
+    replicas added or dropped by discovery are followed)."""
     while True:
-        results = await asyncio.gather(*(_check_once(http, r, config.timeout_s) for r in replicas))
-        for replica, ok in zip(replicas, results):
+        current = list(replicas.values())
+        results = await asyncio.gather(*(_check_once(http, r, config.timeout_s) for r in current))
+        for replica, ok in zip(current, results):
             apply_health(replica, ok, config)
         await asyncio.sleep(config.interval_s)
 
@@ -165,8 +171,8 @@ def apply_metrics(replica: ReplicaState, text: str) -> None:
         replica.num_gpu_blocks = int(cache["num_gpu_blocks"])
 
 
-async def poll_metrics(http: aiohttp.ClientSession, replicas: list[ReplicaState], interval_s: float) -> None:
-    """Scrape every replica's /metrics forever."""
+async def poll_metrics(http: aiohttp.ClientSession, replicas: Mapping[str, ReplicaState], interval_s: float) -> None:
+    """Scrape every replica's /metrics forever (the mapping is read anew each round)."""
     while True:
-        await asyncio.gather(*(scrape_once(http, r, max(interval_s, 1.0)) for r in replicas))
+        await asyncio.gather(*(scrape_once(http, r, max(interval_s, 1.0)) for r in list(replicas.values())))
         await asyncio.sleep(interval_s)

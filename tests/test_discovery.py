@@ -1,0 +1,188 @@
+"""Replica discovery by DNS (``router/discovery.py``) and the membership changes it drives."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from router.app import GATEWAY, create_app
+from router.blocks import BlockHash
+from router.config import ConfigError, DiscoveryConfig, GatewayConfig, ReplicaConfig, config_from_dict
+from router.discovery import discover_once, replica_urls, resolve
+from router.gateway import Gateway
+from router.replicas import apply_metrics
+from router.tokenizer import ByteTokenizer
+
+from .helpers import MODEL, metric, text
+
+PAGE = ('vllm:num_requests_waiting{engine="0"} 0\nvllm:prefix_cache_queries_total{engine="0"} 0\n'
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0\n')
+
+
+def gateway(drain_s: float = 30.0, static: tuple[str, ...] = ()) -> Gateway:
+    config = GatewayConfig(replicas=tuple(ReplicaConfig(url=u) for u in static),
+                           discovery=DiscoveryConfig(dns="vllm.test", drain_s=drain_s))
+    return Gateway(config, None)
+
+
+@pytest.mark.parametrize("bad", ["http://vllm", "vllm:8000", "vllm/path", "a b", "-vllm.ns", "", "x" * 64 + ".ns"])
+def test_a_discovery_name_that_is_not_a_dns_name_is_refused_naming_the_key(bad):
+    with pytest.raises(ConfigError, match=r"^discovery\.dns: expected a DNS name"):
+        config_from_dict({"discovery": {"dns": bad}})
+
+
+def test_discovery_port_and_scheme_are_checked():
+    with pytest.raises(ConfigError, match=r"^discovery\.port"):
+        config_from_dict({"discovery": {"dns": "vllm", "port": 0}})
+    with pytest.raises(ConfigError, match=r"^discovery\.scheme"):
+        config_from_dict({"discovery": {"dns": "vllm", "scheme": "ftp"}})
+    assert config_from_dict({"discovery": {"dns": "vllm.ns.svc.cluster.local."}}).discovery.dns == "vllm.ns.svc.cluster.local"
+
+
+def test_addresses_become_sorted_urls_with_ipv6_in_brackets():
+    config = DiscoveryConfig(dns="vllm", port=8001)
+    assert replica_urls({"10.0.0.2", "fd00::5", "10.0.0.1"}, config) == [
+        "http://10.0.0.1:8001", "http://10.0.0.2:8001", "http://[fd00::5]:8001"]
+
+
+def test_a_found_replica_joins_the_ring_only_after_its_first_scrape():
+    gw = gateway()
+    added, drained = gw.apply_discovery(["http://10.0.0.1:8000"], now=0.0)
+    assert (added, drained) == (["10.0.0.1:8000"], [])
+    replica = gw.replicas["10.0.0.1:8000"]
+    assert replica.discovered and not replica.routable and "10.0.0.1:8000" not in gw.ring.nodes
+    apply_metrics(replica, PAGE)
+    gw.sync_ring()
+    assert replica.routable and "10.0.0.1:8000" in gw.ring.nodes
+    assert replica.num_gpu_blocks == 100  # read from the scrape
+
+
+def scraped(gw: Gateway, *urls: str) -> None:
+    gw.apply_discovery(urls, now=0.0)
+    for r in gw.replicas.values():
+        apply_metrics(r, PAGE)
+    gw.sync_ring()
+
+
+def test_a_replica_gone_from_dns_drains_then_is_forgotten_with_its_metric_series():
+    gw = gateway(drain_s=30.0)
+    scraped(gw, "http://10.0.0.1:8000", "http://10.0.0.2:8000")
+    gone = gw.replicas["10.0.0.2:8000"]
+    gw.metrics.requests.labels("10.0.0.2:8000", "affinity", "200").inc()
+    gw.metrics.spillovers.labels("10.0.0.1:8000", "10.0.0.2:8000").inc()
+    gone.inflight = 1  # a stream still running on it
+
+    assert gw.apply_discovery(["http://10.0.0.1:8000"], now=100.0) == ([], ["10.0.0.2:8000"])
+    assert not gone.routable and "10.0.0.2:8000" not in gw.ring.nodes  # no new requests at once
+    assert gw.forget_drained(now=129.0) == []  # within drain_s
+    assert gw.forget_drained(now=200.0) == []  # past it, but a request is still in flight
+    gone.inflight = 0
+    assert gw.forget_drained(now=200.0) == ["10.0.0.2:8000"]
+    assert "10.0.0.2:8000" not in gw.replicas
+    page = gw.metrics.registry
+    from prometheus_client import generate_latest
+    text_page = generate_latest(page).decode()
+    assert "10.0.0.2:8000" not in text_page
+    assert "10.0.0.1:8000" in text_page  # the other replica's series stay
+
+
+def test_a_replica_back_in_dns_while_draining_keeps_its_shadow_index():
+    gw = gateway()
+    scraped(gw, "http://10.0.0.1:8000")
+    replica = gw.replicas["10.0.0.1:8000"]
+    replica.shadow.insert([BlockHash(i) for i in range(1, 6)])
+    gw.apply_discovery([], now=10.0)
+    assert not replica.routable
+    gw.apply_discovery(["http://10.0.0.1:8000"], now=12.0)
+    gw.sync_ring()
+    assert replica.routable and len(replica.shadow) == 5 and gw.replicas["10.0.0.1:8000"] is replica
+
+
+def test_static_replicas_are_never_drained_by_discovery():
+    gw = gateway(static=("http://static:8000",))
+    gw.apply_discovery([], now=0.0)
+    assert gw.forget_drained(now=1e9) == []
+    assert gw.replicas["static:8000"].routable
+
+
+async def test_a_failed_lookup_keeps_the_known_replicas():
+    gw = gateway()
+    scraped(gw, "http://10.0.0.1:8000")
+
+    async def broken(name, port):
+        raise OSError("Name or service not known")
+
+    assert await discover_once(gw, gw.config.discovery, broken) is False
+    assert gw.replicas["10.0.0.1:8000"].routable
+
+
+async def test_the_system_resolver_finds_localhost():
+    assert "127.0.0.1" in await resolve("localhost", 80)
+
+
+async def test_a_gateway_with_only_discovery_serves_through_the_replicas_localhost_resolves_to(fleet, aiohttp_client):
+    (sim,) = await fleet(1)
+    config = config_from_dict({"discovery": {"dns": "localhost", "port": sim.port, "interval_s": 0.2},
+                               "health": {"interval_s": 0.2}, "scrape": {"interval_s": 0.2}})
+    client = await aiohttp_client(create_app(config, ByteTokenizer()))
+    gw = client.server.app[GATEWAY]
+    assert f"127.0.0.1:{sim.port}" in gw.replicas  # found before the first request
+    ready = await client.get("/ready")
+    assert ready.status == 200
+    resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hello there", "max_tokens": 2})
+    assert resp.status == 200, await resp.text()
+
+
+async def test_two_gateways_with_the_replicas_in_any_order_choose_the_same_replica_for_each_request(fleet, aiohttp_client):
+    sims = await fleet(4)
+    urls = [str(s.make_url("")).rstrip("/") for s in sims]
+    shuffled = urls[:]
+    random.Random(1).shuffle(shuffled)
+    assert shuffled != urls
+    clients = []
+    for order in (urls, shuffled):
+        config = config_from_dict({"replicas": order, "health": {"interval_s": 5}, "scrape": {"interval_s": 5}})
+        clients.append(await aiohttp_client(create_app(config, ByteTokenizer())))
+    rng = random.Random(7)
+    systems = [text(rng, 300) for _ in range(3)]
+    chosen: list[tuple[str, str]] = []
+    for i in range(40):  # fresh conversations and later turns of earlier ones
+        messages = [{"role": "system", "content": systems[i % 3]}, {"role": "user", "content": text(rng, 40)}]
+        body = {"model": MODEL, "messages": messages, "max_tokens": 2}
+        headers = {"X-Session-ID": f"s{i % 7}"} if i % 2 else {}
+        picks = []
+        for client in clients:  # each instance sees every request, in the same order
+            resp = await client.post("/v1/chat/completions", json=body, headers=headers)
+            assert resp.status == 200
+            picks.append(resp.headers["x-prefix-router-replica"])
+            await resp.read()
+        chosen.append(tuple(picks))
+    assert all(a == b for a, b in chosen), [c for c in chosen if c[0] != c[1]]
+    assert len({a for a, _ in chosen}) > 1  # and the requests did spread
+
+
+async def test_every_metric_of_a_forgotten_replica_is_gone_after_real_traffic(fleet, aiohttp_client):
+    sims = await fleet(2)
+    urls = [str(s.make_url("")).rstrip("/") for s in sims]
+    config = config_from_dict({"replicas": [urls[0]], "discovery": {"dns": "unused.test", "drain_s": 0},
+                               "health": {"interval_s": 5}, "scrape": {"interval_s": 5}})
+    client = await aiohttp_client(create_app(config, ByteTokenizer()))
+    gw = client.server.app[GATEWAY]
+    gw.apply_discovery([urls[1]], now=0.0)
+    apply_metrics(gw.replicas[urls[1].split("//")[1]], PAGE)
+    gw.sync_ring()
+    rng = random.Random(3)
+    for _ in range(12):
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": text(rng, 80), "max_tokens": 2})
+        assert resp.status == 200
+        await resp.read()
+    name = urls[1].split("//")[1]
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "prefix_router_requests_total", replica=name) > 0
+    gw.apply_discovery([], now=1.0)
+    assert gw.forget_drained(now=1.0) == [name]
+    page = await (await client.get("/metrics")).text()
+    assert name not in page
+    await asyncio.sleep(0)
