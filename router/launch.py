@@ -49,6 +49,7 @@ class Server:
     env: dict[str, str] = field(default_factory=dict)
     startup_s: float = 60.0  # how long /health may take to answer 200
     cwd: Path | None = None
+    health_path: str = "/health"  # answers 200 once the server is up (Prometheus: /-/ready)
     pid: int | None = field(default=None, init=False)  # set by ``running`` while it runs
 
     @property
@@ -62,7 +63,7 @@ def _wait_healthy(server: Server, proc: subprocess.Popen, deadline: float) -> No
             tail = server.log.read_text(errors="replace")[-3000:] if server.log.exists() else ""
             raise RuntimeError(f"{server.url}: process exited with {proc.returncode}; log {server.log}:\n{tail}")
         try:
-            with urllib.request.urlopen(server.url + "/health", timeout=2.0):
+            with urllib.request.urlopen(server.url + server.health_path, timeout=2.0):
                 return
         except OSError:
             time.sleep(0.2)
@@ -84,7 +85,7 @@ def _stop(procs: Sequence[subprocess.Popen]) -> None:
 
 @contextlib.contextmanager
 def running(servers: Sequence[Server]) -> Iterator[list[str]]:
-    """Start ``servers`` together, wait until each answers ``/health``, yield their base URLs;
+    """Start ``servers`` together, wait until each answers its ``health_path``, yield their base URLs;
     terminate all on exit (SIGTERM, then SIGKILL after 30 s).
 
     Raises ``RuntimeError`` with the tail of the log when one exits or is not healthy in time.
