@@ -186,3 +186,37 @@ async def test_every_metric_of_a_forgotten_replica_is_gone_after_real_traffic(fl
     page = await (await client.get("/metrics")).text()
     assert name not in page
     await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("session_header", [
+    "X-Session-ID",
+    # Open (issue 6): without session ids each instance learns branch points and conversation
+    # histories from half the turns, keys some turns differently, and loses ~3.5 points
+    # (measured: 0.699 with one gateway, 0.664 with two).
+    pytest.param(None, marks=pytest.mark.xfail(strict=True, reason="per-instance branch statistics diverge "
+                                                                   "without session ids (open, issue 6)")),
+], ids=["session-ids", "no-session-ids"])
+async def test_two_gateways_behind_a_round_robin_client_reuse_within_2_points_of_one(fleet, aiohttp_server,
+                                                                                      session_header):
+    """Per-instance state (shadow indexes, branch statistics, conversation memory) costs little:
+    the same replay through two instances, alternating request by request, reuses nearly as much
+    as through one (each run on fresh replicas)."""
+    from router.replay.client import replay
+    from router.replay.generate import builtin_workload
+
+    requests = builtin_workload("mixed", sessions=24, seed=11)
+    rates = []
+    for instances in (1, 2):
+        sims = await fleet(4)
+        urls = [str(s.make_url("")).rstrip("/") for s in sims]
+        config = config_from_dict({"replicas": urls, "health": {"interval_s": 1}, "scrape": {"interval_s": 0.5}})
+        gateways = [await aiohttp_server(create_app(config, ByteTokenizer())) for _ in range(instances)]
+        records = await replay(requests, [str(g.make_url("")) for g in gateways], model=MODEL, time_scale=200,
+                               session_header=session_header)
+        assert all(r.error is None for r in records), next(r.error for r in records if r.error)
+        rates.append(sum(r.cached_tokens for r in records) / sum(r.prompt_tokens for r in records))
+    one, two = rates
+    print(f"token hit rate ({session_header or 'no session header'}): one gateway {one:.3f}, "
+          f"two behind a round-robin client {two:.3f}")
+    assert one > 0.5  # the workload reuses a lot through one gateway
+    assert abs(one - two) <= 0.02, f"one gateway {one:.3f}, two {two:.3f}"

@@ -11,10 +11,11 @@ flight (0: no cap). Every request yields one ``Record``; failures are recorded, 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import aiohttp
@@ -94,18 +95,21 @@ async def _send(http: aiohttp.ClientSession, target: str, model: str | None, str
         record.error = f"{type(exc).__name__}: {exc}"[:500]
 
 
-async def replay(requests: list[ReplayRequest], target: str, *, model: str | None = None,
+async def replay(requests: list[ReplayRequest], target: str | Sequence[str], *, model: str | None = None,
                  time_scale: float = 1.0, concurrency: int = 0, stream: bool = True,
                  timeout_s: float = 600.0, headers: dict | None = None,
                  session_header: str | None = "X-Session-ID",
                  on_record: Callable[[Record], None] | None = None) -> list[Record]:
     """Replay ``requests`` against ``target`` (base URL, no trailing /v1); records in input order.
+    Several targets: requests go to them in turn as they are sent, as a round-robin load
+    balancer in front of several gateway instances would spread them.
 
     ``model`` fills each body's model (None: leave it out, the server's default). A request that
     belongs to a session carries its id in ``session_header`` (the gateway's default session
     header; None sends none), as a client that keys its conversations would.
     """
-    target = target.rstrip("/")
+    targets = [t.rstrip("/") for t in ([target] if isinstance(target, str) else target)]
+    turn = itertools.count()
     records = [Record(i, r.session, r.turn, 0.0, None, None, None, None, None, 0, None, None)
                for i, r in enumerate(requests)]
     limit = asyncio.Semaphore(concurrency) if concurrency > 0 else None
@@ -128,6 +132,7 @@ async def replay(requests: list[ReplayRequest], target: str, *, model: str | Non
             sent = dict(headers or {})
             if session_header and req.session is not None:
                 sent[session_header] = req.session
+            target = targets[next(turn) % len(targets)]
             if limit is None:
                 await _send(http, target, model, stream, req, records[i], t0, sent)
             else:
