@@ -29,6 +29,12 @@ def _panels(n: int, title: str):
     return fig, axes[0]
 
 
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def _ttft(results: dict, out: Path) -> Path:
     fig, axes = _panels(len(results["workloads"]), "Time to first token (modelled s)")
     for ax, w in zip(axes, results["workloads"]):
@@ -40,10 +46,7 @@ def _ttft(results: dict, out: Path) -> Path:
         ax.set(title=w["name"], xlabel="TTFT (s)", ylabel="fraction of requests")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    path = out / "ttft.png"
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, out / "ttft.png")
 
 
 def _reused(results: dict, out: Path) -> Path:
@@ -55,10 +58,7 @@ def _reused(results: dict, out: Path) -> Path:
             ax.bar(xs, row["reused_per_replica"], width, label=row["system"])
         ax.set(title=w["name"], xlabel="replica", ylabel="reused tokens")
     axes[0].legend(fontsize=8)
-    path = out / "reused_per_replica.png"
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, out / "reused_per_replica.png")
 
 
 def _over_time(results: dict, out: Path) -> Path:
@@ -79,10 +79,7 @@ def _over_time(results: dict, out: Path) -> Path:
         ax.set(title=w["name"], xlabel="send time (modelled s)", ylabel="token hit rate", ylim=(0, 1))
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    path = out / "hit_rate_over_time.png"
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, out / "hit_rate_over_time.png")
 
 
 def _overhead(overhead: dict, out: Path) -> Path:
@@ -96,10 +93,7 @@ def _overhead(overhead: dict, out: Path) -> Path:
     ax.set(title="Added TTFT p99 through each system", xlabel="requests per second", ylabel="ms", xscale="log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    path = out / "overhead.png"
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, out / "overhead.png")
 
 
 def plot_all(results: dict, out: Path) -> list[Path]:

@@ -16,10 +16,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .config import GatewayConfig
+from .discovery import discover_once, poll_dns
 from .gateway import Gateway
 from .errors import openai_error
 from .proxy import REPLICA_HEADER, handle_generate
-from .discovery import discover_once, poll_dns
 from .replicas import poll_health, poll_metrics, scrape_once
 from .tokenizer import PromptTokenizer
 
