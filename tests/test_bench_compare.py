@@ -83,7 +83,10 @@ def test_a_small_run_of_every_system_adds_up(tmp_path):
     assert table.count("| builtin-agent |") == len(systems)
     overhead = results["overhead"]
     assert [r["system"] for r in overhead["rows"]] == [s.name for s in systems]
-    assert all(r["errors"] == 0 and r["cpu_s_per_1k"] > 0 for r in overhead["rows"])
+    assert all(r["errors"] == 0 and r["cpu_s_per_1k"] >= 0 for r in overhead["rows"])
+    # /proc counts CPU in 10 ms ticks: 20 requests through a Rust router (~1 ms each) can read 0,
+    # ours (~3 ms each) cannot
+    assert all(r["cpu_s_per_1k"] > 0 for r in overhead["rows"] if r["system"] == "prefix-router")
     assert set(overhead["sustained"]) == {s.name for s in systems}
     for name in PLOTS:
         assert (out / name).read_bytes()[:4] == b"\x89PNG", name
