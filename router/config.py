@@ -93,6 +93,10 @@ class RoutingConfig:
     session_header: str = "X-Session-ID"
     # use the OpenAI ``user`` field as a session key when no session header is present
     use_user_field: bool = True
+    # without a session key, key a chat by its opening (tools and messages through the first
+    # user message) rather than by learned branch points: every turn, and every gateway
+    # instance, then agrees from the first request (see README "Several gateway instances")
+    chat_opening_key: bool = True
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -4,8 +4,9 @@ Holds the replicas, the ring, the policy, the branch statistics, the conversatio
 metrics, the optional request log, the tokenizer, the shared HTTP client pool and the worker
 threads for tokenization.
 Shadow indexes and conversation memory are per gateway instance: several instances place the
-same request on the same replica (the ring and the key are deterministic), but each learns
-the branch points and histories only from the requests it sees.
+same request on the same replica (the ring and the key are deterministic; a chat's key, its
+opening, needs no learning), but each learns the branch points of completion prompts and the
+histories only from the requests it sees.
 """
 
 from __future__ import annotations

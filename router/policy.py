@@ -2,9 +2,10 @@
 
 ``PrefixAffinityPolicy.select`` in order:
 
-1. Routing key: an explicit session key when the client sent one; otherwise the request's
-   block chain up to ``BranchStats.key_depth`` blocks (past prefixes shared by many
-   conversations, through the first block specific to this one). The key's owner on the ring
+1. Routing key: the session key when the caller gives one (a client's session id, or a chat's
+   opening, ``PromptInfo.opening``); otherwise the request's block chain up to
+   ``BranchStats.key_depth`` blocks (past prefixes shared by many conversations, through the
+   first block specific to this one). The key's owner on the ring
    is the affinity replica; the rest of the ring, in order, are the spill candidates.
 2. History: if a replica already holds more of this prompt than the key covers (its shadow
    index matches at least ``key_depth`` blocks, and past the point where this prompt parted

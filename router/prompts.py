@@ -32,6 +32,10 @@ class PromptInfo:
     # key: token ids alone cannot tell a client rewriting its prompt from two requests that
     # share a document and branch, so such requests are never called miss_changed.
     conversation: str
+    # Chat only: a hash of the conversation's opening (model, cache salt, tools and the messages
+    # through the first user message), the same on every turn and in every gateway instance;
+    # None for completions and for chats without a user message.
+    opening: str | None = None
 
 
 def _digest(value) -> int:
@@ -77,13 +81,17 @@ def analyze(body: dict, chat: bool, tokenizer: PromptTokenizer | None, block_siz
     model = str(body.get("model") or "")
     salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
     seed = seed_hash(model, salt)
+    opening = None
     tokens = chat_tokens(body, tokenizer) if chat and tokenizer is not None else None
     if chat:
         messages = body.get("messages")
         messages = messages if isinstance(messages, list) else []
         message_hashes = (_digest(body.get("tools")), *(_digest(m) for m in messages))
-        first_user = next((m for m in messages if isinstance(m, dict) and m.get("role") == "user"), None)
+        first = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), None)
+        first_user = messages[first] if first is not None else None
         conversation = session_key or f"u:{_digest([model, salt, first_user])}"
+        if first is not None:
+            opening = f"o:{_digest([model, salt, message_hashes[:first + 2]])}"
         text = None if tokens is not None else _chat_text(body)
     else:
         prompt = body.get("prompt")
@@ -109,4 +117,4 @@ def analyze(body: dict, chat: bool, tokenizer: PromptTokenizer | None, block_siz
         full = xxhash.xxh3_64_intdigest(text[len(hashes) * char_block_size:].encode("utf-8", "surrogatepass"),
                                         hashes[-1] if hashes else seed)
         units, exact = len(codes), False
-    return PromptInfo(hashes, full, units, exact, message_hashes, conversation)
+    return PromptInfo(hashes, full, units, exact, message_hashes, conversation, opening)

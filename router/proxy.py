@@ -109,7 +109,8 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
     if gw.config.log_prompts:  # an operator's explicit choice (off by default)
         log.info("request conversation=%s units=%d body=%.500r", info.conversation, info.num_units, raw)
     started = time.perf_counter()
-    decision = gw.policy.select(info.hashes, info.full_hash, healthy, session, gw.max_hit_blocks(info))
+    key = session or (info.opening if gw.config.routing.chat_opening_key else None)
+    decision = gw.policy.select(info.hashes, info.full_hash, healthy, key, gw.max_hit_blocks(info))
     gw.metrics.routing_seconds.observe(time.perf_counter() - started)
     gw.branches.record(info.hashes, gw.config.routing.max_key_blocks)
     stream = body.get("stream") is True
