@@ -32,6 +32,7 @@ async def _sync_loop(gw: Gateway, interval_s: float) -> None:
     while True:
         gw.forget_drained(time.monotonic())
         gw.sync_ring()
+        gw.admission.notify()  # a scrape may have shown a queue drained
         await asyncio.sleep(interval_s)
 
 

@@ -114,7 +114,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as exc:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
         return 2
+    # SIGTERM (and Ctrl-C): stop accepting, give in-flight requests drain_s, then exit 0
     web.run_app(app, host=config.host, port=config.port, access_log=None, handler_cancellation=True,
+                shutdown_timeout=config.drain_s,
                 print=lambda *_: print(f"prefix-router gateway on http://{config.host}:{config.port} "
                                        f"({config.routing.policy}, {len(config.replicas)} replicas"
                                        + (f", discovering {config.discovery.dns}" if config.discovery.dns else "")

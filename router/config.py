@@ -41,7 +41,8 @@ from urllib.parse import urlsplit
 import yaml
 
 __all__ = ["POLICIES", "ConfigError", "ReplicaConfig", "RoutingConfig", "IndexConfig",
-           "HealthConfig", "ScrapeConfig", "UpstreamConfig", "LimitsConfig", "DiscoveryConfig", "GatewayConfig",
+           "HealthConfig", "ScrapeConfig", "UpstreamConfig", "LimitsConfig", "DiscoveryConfig", "BreakerConfig",
+           "AdmissionConfig", "GatewayConfig",
            "load_config", "config_from_dict"]
 
 POLICIES = ("prefix-affinity", "round-robin", "least-loaded")
@@ -143,6 +144,39 @@ class UpstreamConfig:
     # client; 2 rides out one dead and one restarting replica
     max_retries: int = 2
     max_connections: int = 0  # 0: unlimited, one shared pool; vLLM queues requests itself
+    # streaming requests: seconds to the replica's response headers, which vLLM's server sends
+    # before the request is even queued; a replica that accepts the connection but never
+    # answers is given up on after this (and the request retried). Non-streaming answers come
+    # with their headers only when complete, so they wait read_timeout_s.
+    header_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BreakerConfig:
+    """Per-replica circuit breaker on failed requests (router/breaker.py)."""
+
+    # consecutive failed attempts (5xx, connect errors, timeouts, streams cut) that open it:
+    # 5 rides out a brief blip that retries absorb (Envoy's outlier detection default)
+    failures: int = 5
+    # seconds an open breaker keeps the replica out before one trial request; doubled after
+    # each failed trial up to max_cooldown_s (Envoy ejects for 30 s x ejections)
+    cooldown_s: float = 10.0
+    max_cooldown_s: float = 120.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdmissionConfig:
+    """The gateway's admission queue for when every replica is saturated (router/admission.py)."""
+
+    # a replica is saturated at this load (queue depth + requests sent since the last scrape);
+    # 0: never, every request goes straight to a replica and queues there. 4 x the spill depth
+    # by default: spillover has already spread the load, and more waiting at a replica only
+    # grows its TTFT
+    saturated_depth: int = 32
+    # requests waiting at the gateway at most; more get 429 at once
+    max_queue: int = 1024
+    # seconds a request waits for a replica below saturation before 503
+    timeout_s: float = 30.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -191,6 +225,11 @@ class GatewayConfig:
     upstream: UpstreamConfig = UpstreamConfig()
     limits: LimitsConfig = LimitsConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    # seconds SIGTERM waits for in-flight requests (streams included) to finish before exit;
+    # Kubernetes' default terminationGracePeriodSeconds is 30, so 25 leaves the rest for exit
+    drain_s: float = 25.0
 
 
 # --- value checks ------------------------------------------------------------------------
@@ -289,6 +328,14 @@ _CHECKS: dict[tuple[type, str], _Check] = {
     (UpstreamConfig, "read_timeout_s"): _TIME,
     (UpstreamConfig, "max_retries"): _NON_NEGATIVE,
     (UpstreamConfig, "max_connections"): _NON_NEGATIVE,
+    (UpstreamConfig, "header_timeout_s"): _TIME,
+    (BreakerConfig, "failures"): _POSITIVE,
+    (BreakerConfig, "cooldown_s"): _TIME,
+    (BreakerConfig, "max_cooldown_s"): _TIME,
+    (AdmissionConfig, "saturated_depth"): _NON_NEGATIVE,
+    (AdmissionConfig, "max_queue"): _NON_NEGATIVE,
+    (AdmissionConfig, "timeout_s"): _TIME,
+    (GatewayConfig, "drain_s"): _NON_NEGATIVE,
     (LimitsConfig, "max_body_bytes"): _POSITIVE,
     (DiscoveryConfig, "dns"): _dns_name,
     (DiscoveryConfig, "port"): _bounded(1, 65535),
@@ -431,6 +478,9 @@ def config_from_dict(data: Mapping[str, Any]) -> GatewayConfig:
                           f"({type(data).__name__})")
     config = _build(GatewayConfig, data, "")
     _check_unique_replicas(config)
+    if config.breaker.max_cooldown_s < config.breaker.cooldown_s:
+        raise ConfigError(f"breaker.max_cooldown_s: expected a value >= breaker.cooldown_s "
+                          f"({config.breaker.cooldown_s:g}), got {config.breaker.max_cooldown_s:g}")
     return config
 
 

@@ -10,8 +10,8 @@ from aiohttp import web
 
 __all__ = ["error_body", "openai_error"]
 
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
-          502: "BadGatewayError", 503: "ServiceUnavailableError"}
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+          413: "RequestTooLargeError", 429: "RateLimitError", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
 
 
 def error_body(status: int, message: str, param: str | None = None, type_: str | None = None) -> dict:
@@ -20,6 +20,7 @@ def error_body(status: int, message: str, param: str | None = None, type_: str |
                       "code": status}}
 
 
-def openai_error(status: int, message: str, param: str | None = None, type_: str | None = None) -> web.Response:
-    """An error response with that body and status."""
-    return web.json_response(error_body(status, message, param, type_), status=status)
+def openai_error(status: int, message: str, param: str | None = None, type_: str | None = None,
+                 headers: dict[str, str] | None = None) -> web.Response:
+    """An error response with that body and status (and ``headers``, such as Retry-After)."""
+    return web.json_response(error_body(status, message, param, type_), status=status, headers=headers)

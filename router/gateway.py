@@ -11,6 +11,7 @@ histories only from the requests it sees.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from .admission import Admission
+from .breaker import CircuitBreaker
 from .config import GatewayConfig, ReplicaConfig
 from .conversations import Conversations, Verdict
 from .index import BranchStats
@@ -61,12 +64,22 @@ class Gateway:
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.http: aiohttp.ClientSession | None = None
         self.request_log = RequestLog(config.request_log) if config.request_log else None
+        self.admission = Admission(config.admission, self.saturated)
+        self.metrics.admission_waiting.set_function(lambda: len(self.admission))
+
+    def saturated(self) -> bool:
+        """Every routable replica at or above ``admission.saturated_depth`` (False with none:
+        that is answered 503 at once, not queued)."""
+        depth = self.config.admission.saturated_depth
+        loads = [r.load for r in self.replicas.values() if r.routable]
+        return bool(loads) and min(loads) >= depth
 
     def add_replica(self, rc: ReplicaConfig, *, discovered: bool = False) -> ReplicaState:
         """Know a replica. A discovered one joins the ring after its first ``/metrics`` scrape
         (``recovering``), which also reads its block size and capacity."""
         state = ReplicaState(rc, replica_name(rc.url), block_size=rc.block_size, num_gpu_blocks=rc.num_gpu_blocks,
-                             discovered=discovered, recovering=discovered)
+                             discovered=discovered, recovering=discovered,
+                             breaker=CircuitBreaker(self.config.breaker))
         self.replicas[state.name] = state
         return state
 
@@ -134,6 +147,7 @@ class Gateway:
             else:
                 self.ring.remove(replica.name)
             self.metrics.healthy.labels(replica.name).set(1 if replica.healthy else 0)
+            self.metrics.breaker_state.labels(replica.name).set(replica.breaker.state(time.monotonic()))
             self.metrics.queue_depth.labels(replica.name).set(replica.load)
             capacity = self.config.index.max_blocks_per_replica or replica.num_gpu_blocks
             if capacity and replica.shadow.capacity != capacity:
@@ -157,6 +171,7 @@ class Gateway:
                 "name": r.name, "url": r.url, "healthy": r.healthy, "routable": r.routable,
                 "discovered": r.discovered, "draining": r.draining_since is not None, "queue_depth": r.load,
                 "waiting": r.waiting, "running": r.running, "inflight": r.inflight,
+                "breaker": r.breaker.state(time.monotonic()).name.lower(),
                 "block_size": r.block_size, "num_gpu_blocks": r.num_gpu_blocks,
                 "capacity_tokens": (r.num_gpu_blocks - 1) * r.block_size if r.num_gpu_blocks and r.block_size else None,
                 "ring_share": round(shares.get(r.name, 0.0), 4), "shadow_blocks": len(r.shadow),

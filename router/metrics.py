@@ -50,6 +50,17 @@ class GatewayMetrics:
                               ("replica",), registry=r)
         self.healthy = Gauge("prefix_router_replica_healthy", "1 when the replica passes health checks.",
                              ("replica",), registry=r)
+        self.breaker_state = Gauge("prefix_router_replica_breaker_state",
+                                   "Circuit breaker: 0 closed, 1 open (no requests), 2 half-open (one trial).",
+                                   ("replica",), registry=r)
+        self.admission_waiting = Gauge("prefix_router_admission_waiting",
+                                       "Requests waiting in the gateway's admission queue (every replica saturated).",
+                                       registry=r)
+        self.admission_rejected = Counter("prefix_router_admission_rejected",
+                                          "Requests refused while every replica was saturated: queue_full (429), timeout (503).",
+                                          ("reason",), registry=r)
+        for reason in ("queue_full", "timeout"):
+            self.admission_rejected.labels(reason)
         self.routing_seconds = Histogram("prefix_router_routing_seconds",
                                          "Time to choose a replica (tokenization excluded).",
                                          buckets=ROUTING_BUCKETS, registry=r)
@@ -62,7 +73,7 @@ class GatewayMetrics:
             (self.prompt_tokens, ("replica",)), (self.cached_predicted, ("replica",)), (self.cached, ("replica",)),
             (self.lost_tokens, ("replica", "cause")), (self.spillovers, ("from_replica", "to_replica")),
             (self.queue_depth, ("replica",)), (self.inflight, ("replica",)), (self.healthy, ("replica",)),
-            (self.ttft, ("replica",)), (self.request_seconds, ("replica",)))
+            (self.breaker_state, ("replica",)), (self.ttft, ("replica",)), (self.request_seconds, ("replica",)))
 
     def forget_replica(self, name: str) -> int:
         """Remove every series labelled with replica ``name`` (one that discovery dropped), so
@@ -84,7 +95,8 @@ METRIC_NAMES = (
     "prefix_router_requests_total", "prefix_router_cache_requests_total", "prefix_router_prompt_tokens_total",
     "prefix_router_cached_tokens_predicted_total", "prefix_router_cached_tokens_total",
     "prefix_router_lost_tokens_total", "prefix_router_spillovers_total", "prefix_router_replica_queue_depth",
-    "prefix_router_replica_inflight", "prefix_router_replica_healthy", "prefix_router_routing_seconds",
+    "prefix_router_replica_inflight", "prefix_router_replica_healthy", "prefix_router_replica_breaker_state",
+    "prefix_router_admission_waiting", "prefix_router_admission_rejected_total", "prefix_router_routing_seconds",
     "prefix_router_ttft_seconds", "prefix_router_request_seconds",
 )
 

@@ -4,11 +4,13 @@ Per request (``handle_generate``):
 
 1. Read and check the body (413 above ``limits.max_body_bytes``, OpenAI-style 400 for bad JSON).
 2. ``prompts.analyze`` in a worker thread (tokenization and chat templates never block the
-   event loop), then ``policy.select`` on the healthy replicas.
+   event loop), a wait in the admission queue when every replica is saturated
+   (``admission.py``), then ``policy.select`` on the routable replicas.
 3. Forward to the chosen replica with the client's headers (Authorization included). Streaming
    requests get ``stream_options.include_usage`` so the engine reports ``cached_tokens``; when
-   the client did not ask for it, that usage chunk is dropped on the way back. Connect errors
-   and 5xx answers go to the next ring candidate while nothing has reached the client.
+   the client did not ask for it, that usage chunk is dropped on the way back. Connect errors,
+   5xx answers and header timeouts go to the next ring candidate while nothing has reached
+   the client, and each attempt's outcome goes to the replica's circuit breaker.
 4. Stream SSE back line by line as it arrives, with ``x-prefix-router-replica`` naming the
    replica. Then classify the cache outcome, update the shadow index, branch statistics and
    conversation memory, count everything in ``GatewayMetrics`` and, when configured, write the
@@ -28,6 +30,8 @@ import time
 import aiohttp
 from aiohttp import web
 
+from .admission import QueueFull, QueueTimeout
+from .breaker import BreakerState
 from .conversations import CacheResult, Conversation, classify
 from .errors import error_body, openai_error
 from .gateway import Gateway
@@ -100,14 +104,19 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
     body = _parse(raw)
     if isinstance(body, web.Response):
         return body
-    healthy = {r.name: ReplicaView(r.name, r.load, r.shadow) for r in gw.replicas.values() if r.routable}
-    if not healthy:
+    if not any(r.routable for r in gw.replicas.values()):
         return openai_error(503, "no healthy replica", type_="ServiceUnavailableError")
     session = _session_key(request, body, gw)
     info: PromptInfo = await asyncio.get_running_loop().run_in_executor(
         gw.executor, analyze, body, chat, gw.tokenizer, gw.block_size, gw.config.routing.char_block_size, session)
     if gw.config.log_prompts:  # an operator's explicit choice (off by default)
         log.info("request conversation=%s units=%d body=%.500r", info.conversation, info.num_units, raw)
+    rejected = await _admit(gw)
+    if rejected is not None:
+        return rejected
+    healthy = {r.name: ReplicaView(r.name, r.load, r.shadow) for r in gw.replicas.values() if r.routable}
+    if not healthy:
+        return openai_error(503, "no healthy replica", type_="ServiceUnavailableError")
     started = time.perf_counter()
     key = session or (info.opening if gw.config.routing.chat_opening_key else None)
     decision = gw.policy.select(info.hashes, info.full_hash, healthy, key, gw.max_hit_blocks(info))
@@ -120,6 +129,22 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
                                  {**_forward_headers(request), "Content-Type": "application/json"},
                                  stream, client_wants_usage)
     return await _forward(request, gw, decision, info, upstream_request)
+
+
+async def _admit(gw: Gateway) -> web.Response | None:
+    """Wait in the admission queue while every replica is saturated; the 429 or 503 (with
+    Retry-After) to answer when the queue is full or the wait timed out, else None."""
+    try:
+        await gw.admission.admit()
+    except QueueFull:
+        gw.metrics.admission_rejected.labels("queue_full").inc()
+        return openai_error(429, f"every replica is saturated and {gw.config.admission.max_queue} requests are "
+                            "already waiting; retry later", type_="RateLimitError", headers={"Retry-After": "1"})
+    except QueueTimeout:
+        gw.metrics.admission_rejected.labels("timeout").inc()
+        return openai_error(503, f"every replica stayed saturated for {gw.config.admission.timeout_s:g} s; retry later",
+                            type_="ServiceUnavailableError", headers={"Retry-After": "1"})
+    return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -135,13 +160,20 @@ class _Upstream:
 
 async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: PromptInfo,
                    up: _Upstream) -> web.StreamResponse:
-    """Try the decision's candidates in order until one answers below 500 (retries bounded)."""
+    """Try the decision's candidates in order until one answers below 500 (retries bounded).
+
+    A streaming attempt gets ``upstream.header_timeout_s`` for the replica's response headers.
+    Every attempt's outcome goes to the replica's circuit breaker (router/breaker.py).
+    """
     last_error = "no replica answered"
+    header_timeout = gw.config.upstream.header_timeout_s if up.stream else None
     for name in decision.candidates[: gw.config.upstream.max_retries + 1]:
         replica = gw.replicas.get(name)
-        if replica is None:  # dropped by discovery while an earlier attempt ran
-            continue
+        if replica is None or not replica.breaker.allows(time.monotonic()):
+            continue  # dropped by discovery, or its breaker opened, while an earlier attempt ran
+        replica.breaker.on_send(time.monotonic())
         replica.sent_since_scrape += 1
+        gw.admission.notify()  # this request's load is counted: the next waiter, if any, may go
         epoch = replica.scrape_epoch
         replica.inflight += 1
         gw.metrics.inflight.labels(name).set(replica.inflight)
@@ -154,9 +186,13 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
         added = replica.shadow.insert(info.hashes)
         t0 = time.perf_counter()
         try:
-            async with gw.http.post(replica.url + up.path, data=up.payload, headers=up.headers) as upstream:
+            upstream = await asyncio.wait_for(
+                gw.http.post(replica.url + up.path, data=up.payload, headers=up.headers), header_timeout)
+            async with upstream:
                 if upstream.status < 500:
-                    return await _relay(request, gw, upstream, name, decision, info, up, t0)
+                    response, status = await _relay(request, gw, upstream, name, decision, info, up, t0)
+                    _breaker_record(gw, replica, status < 500)
+                    return response
                 last_error = f"replica {name} answered {upstream.status}"
                 code = str(upstream.status)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
@@ -168,9 +204,23 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
                 replica.sent_since_scrape = max(replica.sent_since_scrape - 1, 0)
             replica.inflight -= 1
             gw.metrics.inflight.labels(name).set(replica.inflight)
+            gw.admission.notify()
+        _breaker_record(gw, replica, False)
         replica.shadow.forget(added)
         gw.metrics.requests.labels(name, decision.route.value, code).inc()
     return openai_error(502, last_error, type_="BadGatewayError")
+
+
+def _breaker_record(gw: Gateway, replica, ok: bool) -> None:
+    """One attempt's outcome to the replica's breaker; log and export a change of state."""
+    changed = replica.breaker.record(ok, time.monotonic())
+    if changed is BreakerState.OPEN:
+        log.warning("replica %s: circuit breaker open after %d consecutive failed requests; no requests for %.0f s",
+                    replica.name, replica.breaker.failures, replica.breaker.cooldown_s)
+    elif changed is BreakerState.CLOSED:
+        log.info("replica %s: circuit breaker closed (a trial request succeeded)", replica.name)
+    if changed is not None:
+        gw.metrics.breaker_state.labels(replica.name).set(changed)
 
 
 def _retarget(decision: Decision, name: str) -> Decision:
@@ -180,8 +230,9 @@ def _retarget(decision: Decision, name: str) -> Decision:
 
 
 async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: str, decision: Decision,
-                 info: PromptInfo, up: _Upstream, t0: float) -> web.StreamResponse:
-    """Pass the replica's answer to the client (streams line by line), then account for it."""
+                 info: PromptInfo, up: _Upstream, t0: float) -> tuple[web.StreamResponse, int]:
+    """Pass the replica's answer to the client (streams line by line), then account for it.
+    Returns the response and the status counted (502 for a stream cut after it started)."""
     usage = None
     ttft = None
     status = upstream.status
@@ -224,7 +275,7 @@ async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: s
             status = 502
         await response.write_eof()
     _account(gw, name, decision, info, status, usage, ttft, time.perf_counter() - t0)
-    return response
+    return response, status
 
 
 def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, status: int, usage: dict | None,

@@ -21,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 
-from .config import HealthConfig, ReplicaConfig
+from .breaker import CircuitBreaker
+from .config import BreakerConfig, HealthConfig, ReplicaConfig
 from .index import ShadowIndex
 
 __all__ = ["ReplicaState", "parse_engine_metrics", "apply_health", "apply_metrics", "poll_health", "poll_metrics"]
@@ -60,6 +62,7 @@ class ReplicaState:
     discovered: bool = False  # found by DNS (router/discovery.py), not listed in the configuration
     draining_since: float | None = None  # monotonic time it left DNS; off the ring from then on
     shadow: ShadowIndex = field(default_factory=lambda: ShadowIndex(DEFAULT_CAPACITY_BLOCKS))
+    breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(BreakerConfig()))
 
     @property
     def url(self) -> str:
@@ -68,8 +71,9 @@ class ReplicaState:
     @property
     def routable(self) -> bool:
         """On the ring: healthy, past the restart check that follows a recovery (or a new
-        replica's first scrape), and not draining."""
-        return self.healthy and not self.recovering and self.draining_since is None
+        replica's first scrape), not draining, and its circuit breaker lets requests through."""
+        return (self.healthy and not self.recovering and self.draining_since is None
+                and self.breaker.allows(time.monotonic()))
 
     @property
     def load(self) -> int:

@@ -1,0 +1,272 @@
+"""Faults at the replicas and at the gateway: each test fails without the handling it names.
+
+Replica killed mid-run and replica restarted with an empty cache: tests/test_gateway.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from router.app import GATEWAY, create_app
+from router.breaker import BreakerState, CircuitBreaker
+from router.config import BreakerConfig, ConfigError, config_from_dict
+from router.launch import free_port
+from router.proxy import REPLICA_HEADER
+from router.tokenizer import ByteTokenizer
+
+from .helpers import MODEL
+from .test_gateway import healthy_url, wait_until
+
+
+def test_the_breaker_opens_at_the_threshold_doubles_its_cooldown_per_failed_trial_and_closes_on_success():
+    breaker = CircuitBreaker(BreakerConfig(failures=3, cooldown_s=1.0, max_cooldown_s=3.0))
+    for ok in (False, False, True, False, False):  # a success resets the count
+        assert breaker.record(ok, 0.0) is None
+    assert breaker.record(False, 0.0) is BreakerState.OPEN
+    assert not breaker.allows(0.5) and breaker.state(0.5) is BreakerState.OPEN
+    cooldowns = []
+    now = 0.0
+    for _ in range(3):  # failed trials: 2 s, then 3 s (the cap), then 3 s
+        now += breaker.cooldown_s
+        assert breaker.allows(now)
+        breaker.on_send(now)
+        assert not breaker.allows(now)  # one trial at a time
+        assert breaker.record(False, now) is BreakerState.OPEN
+        cooldowns.append(breaker.cooldown_s)
+    assert cooldowns == [2.0, 3.0, 3.0]
+    now += breaker.cooldown_s
+    breaker.on_send(now)
+    assert breaker.record(True, now) is BreakerState.CLOSED
+    assert breaker.cooldown_s == 1.0 and breaker.allows(now)
+
+
+def test_a_max_cooldown_below_the_cooldown_is_refused():
+    with pytest.raises(ConfigError, match="breaker.max_cooldown_s"):
+        config_from_dict({"breaker": {"cooldown_s": 10, "max_cooldown_s": 5}})
+
+
+class FaultyReplica:
+    """A replica stand-in whose faults a test switches on and off: ``mode`` is "ok" (answers
+    like a tiny vLLM), "error" (/health 200, generation 500) or "hang" (accepts connections,
+    never answers anything). Counts the generation requests it received."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.posts = 0
+        self.app = web.Application()
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/metrics", self._metrics)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_post("/v1/chat/completions", self._chat)
+
+    async def _hang_if_asked(self) -> None:
+        while self.mode == "hang":
+            await asyncio.sleep(0.05)
+
+    async def _health(self, request):
+        await self._hang_if_asked()
+        return web.Response(text="")
+
+    async def _metrics(self, request):
+        await self._hang_if_asked()
+        return web.Response(text="vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n")
+
+    async def _models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def _chat(self, request):
+        self.posts += 1
+        await request.read()
+        await self._hang_if_asked()
+        if self.mode == "error":
+            return web.json_response({"error": {"message": "engine dead", "code": 500}}, status=500)
+        usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6,
+                 "prompt_tokens_details": {"cached_tokens": 0}}
+        return web.json_response({"id": "x", "object": "chat.completion", "model": MODEL, "usage": usage,
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                                               "finish_reason": "stop"}]})
+
+
+def _chat_body(i: int, stream: bool = False, max_tokens: int = 4) -> dict:
+    return {"model": MODEL, "max_tokens": max_tokens, "stream": stream,
+            "messages": [{"role": "user", "content": f"question {i} about a subject of its own"}]}
+
+
+async def _send(client, i: int, stream: bool = False) -> tuple[int, str | None, str]:
+    resp = await client.post("/v1/chat/completions", json=_chat_body(i, stream))
+    return resp.status, resp.headers.get(REPLICA_HEADER), await resp.text()
+
+
+async def test_a_replica_answering_500s_opens_its_breaker_and_closes_it_once_it_recovers(fleet, aiohttp_server,
+                                                                                       aiohttp_client):
+    # Its /health keeps answering 200, so only the breaker can keep requests off it.
+    faulty = FaultyReplica()
+    bad_server = await aiohttp_server(faulty.app)
+    (good,) = await fleet(1)
+    bad = str(bad_server.make_url("")).rstrip("/")
+    config = config_from_dict({"replicas": [bad, str(good.make_url("")).rstrip("/")],
+                               "breaker": {"failures": 3, "cooldown_s": 0.5, "max_cooldown_s": 1.0},
+                               "health": {"interval_s": 0.2}})
+    client = await aiohttp_client(create_app(config, ByteTokenizer()))
+    gw = client.app[GATEWAY]
+    bad_name = bad.split("//")[1]
+    faulty.mode = "error"
+    results = [await _send(client, i) for i in range(30)]
+    assert all(status == 200 for status, _, _ in results)  # retried on the good replica
+    assert faulty.posts == 3, f"{faulty.posts} requests reached the failing replica, the breaker opens at 3"
+    view = {r["name"]: r for r in (await (await client.get("/replicas")).json())["replicas"]}
+    assert view[bad_name]["breaker"] == "open" and not view[bad_name]["routable"]
+    page = await (await client.get("/metrics")).text()
+    assert f'prefix_router_replica_breaker_state{{replica="{bad_name}"}} 1.0' in page
+
+    # A failed trial after the cooldown opens it again, for longer.
+    await asyncio.sleep(0.6)
+    results = [await _send(client, 100 + i) for i in range(10)]
+    assert all(status == 200 for status, _, _ in results)
+    assert faulty.posts == 4  # one trial
+    assert gw.replicas[bad_name].breaker.cooldown_s == 1.0
+
+    faulty.mode = "ok"
+    await asyncio.sleep(1.1)
+    results = [await _send(client, 200 + i) for i in range(30)]
+    assert all(status == 200 for status, _, _ in results)
+    assert any(replica == bad_name for _, replica, _ in results), "the recovered replica got no traffic back"
+    assert gw.replicas[bad_name].breaker.opened_at is None  # closed
+
+
+async def test_a_replica_that_accepts_connections_but_never_answers_is_timed_out_ejected_and_readmitted(
+        fleet, aiohttp_server, aiohttp_client):
+    faulty = FaultyReplica()
+    hung_server = await aiohttp_server(faulty.app)
+    (good,) = await fleet(1)
+    hung = str(hung_server.make_url("")).rstrip("/")
+    config = config_from_dict({"replicas": [hung, str(good.make_url("")).rstrip("/")],
+                               "upstream": {"header_timeout_s": 0.5}, "breaker": {"cooldown_s": 0.5},
+                               "health": {"interval_s": 0.2, "timeout_s": 0.2, "unhealthy_after": 1}})
+    client = await aiohttp_client(create_app(config, ByteTokenizer()))
+    gw = client.app[GATEWAY]
+    hung_name = hung.split("//")[1]
+    faulty.mode = "hang"
+    # Sent at once, before a health check can notice: some are routed to the hung replica and
+    # must be given up on after the header timeout and retried, not left waiting for 600 s.
+    results = await asyncio.wait_for(asyncio.gather(*(_send(client, i, stream=True) for i in range(12))), 10)
+    assert faulty.posts > 0, "no request reached the hung replica: no test"
+    for status, replica, raw in results:
+        assert status == 200 and replica != hung_name
+        assert raw.rstrip().endswith("data: [DONE]")
+    await wait_until(lambda: not gw.replicas[hung_name].healthy, 5)
+    posts = faulty.posts
+    await asyncio.wait_for(asyncio.gather(*(_send(client, 50 + i, stream=True) for i in range(12))), 10)
+    assert faulty.posts == posts  # ejected: nothing more sent there
+
+    faulty.mode = "ok"
+    await wait_until(lambda: gw.replicas[hung_name].routable and hung_name in gw.ring.shares(), 5)
+    results = [await _send(client, 100 + i, stream=True) for i in range(20)]
+    assert any(replica == hung_name for _, replica, _ in results), "the recovered replica got no traffic back"
+
+
+async def test_when_every_replica_is_saturated_requests_wait_then_get_429_or_503_with_retry_after(fleet,
+                                                                                                  aiohttp_client):
+    # One replica, one sequence at a time: a 400-token answer takes 400 x 6 ms / time scale 2
+    # = 1.2 s, longer than the 0.5 s wait allowed. No scrape during the test, so a replica's
+    # load is exactly the requests this gateway has sent it.
+    (sim,) = await fleet(1, max_num_seqs=1, time_scale=2.0)
+    config = config_from_dict({"replicas": [str(sim.make_url("")).rstrip("/")],
+                               "admission": {"saturated_depth": 2, "max_queue": 2, "timeout_s": 0.5},
+                               "scrape": {"interval_s": 60}})
+    client = await aiohttp_client(create_app(config, ByteTokenizer()))
+
+    async def one(i: int) -> tuple[int, dict, str]:
+        await asyncio.sleep(0.02 * i)  # in order
+        resp = await client.post("/v1/chat/completions", json=_chat_body(i, max_tokens=400))
+        return resp.status, dict(resp.headers), await resp.text()
+
+    results = await asyncio.gather(*(one(i) for i in range(8)))
+    statuses = [status for status, _, _ in results]
+    # 2 reach the replica (then it is saturated), 2 wait and time out, 4 find the queue full
+    assert statuses[:2] == [200, 200], statuses
+    assert sorted(statuses[2:]) == [429] * 4 + [503] * 2, statuses
+    for status, headers, raw in results:
+        if status != 200:
+            assert headers.get("Retry-After") == "1"
+            error = json.loads(raw)["error"]
+            assert error["code"] == status and "saturated" in error["message"]
+    page = await (await client.get("/metrics")).text()
+    assert 'prefix_router_admission_rejected_total{reason="queue_full"} 4.0' in page
+    assert 'prefix_router_admission_rejected_total{reason="timeout"} 2.0' in page
+
+
+async def test_a_request_queued_at_the_gateway_is_served_when_a_replica_frees_up(fleet, aiohttp_client):
+    (sim,) = await fleet(1, max_num_seqs=1, time_scale=20.0)
+    config = config_from_dict({"replicas": [str(sim.make_url("")).rstrip("/")],
+                               "admission": {"saturated_depth": 1, "max_queue": 10, "timeout_s": 20},
+                               "scrape": {"interval_s": 0.1}})
+    client = await aiohttp_client(create_app(config, ByteTokenizer()))
+    gw = client.app[GATEWAY]
+
+    async def one(i: int) -> int:
+        await asyncio.sleep(0.02 * i)
+        resp = await client.post("/v1/chat/completions", json=_chat_body(i, max_tokens=100))
+        await resp.read()
+        return resp.status
+
+    tasks = [asyncio.create_task(one(i)) for i in range(6)]
+    await wait_until(lambda: len(gw.admission) > 0, 5)  # some did wait at the gateway
+    assert await asyncio.gather(*tasks) == [200] * 6
+    assert len(gw.admission) == 0
+
+
+def test_sigterm_lets_a_running_stream_finish_then_the_gateway_exits(tmp_path):
+    """Run as Kubernetes stops a pod: SIGTERM while a stream runs. The stream ends with
+    [DONE], new connections are refused, and the process exits 0 within ``drain_s``."""
+    sim_port, gw_port = free_port(), free_port()
+    sim = subprocess.Popen([sys.executable, "-m", "router.cli", "sim", "--port", str(sim_port), "--model", MODEL,
+                            "--time-scale", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    config = tmp_path / "gateway.yaml"
+    config.write_text(f"replicas: [http://127.0.0.1:{sim_port}]\ndrain_s: 20\n")
+    gateway = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", str(config),
+                                "--host", "127.0.0.1", "--port", str(gw_port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def scenario() -> tuple[str, float, bool]:
+        url = await healthy_url(gw_port)
+        await healthy_url(sim_port)
+        async with aiohttp.ClientSession() as http:
+            # 300 tokens at ~6 ms each: a stream of about 2 s
+            async with http.post(url + "/v1/chat/completions", json=_chat_body(1, stream=True, max_tokens=300)) as resp:
+                assert resp.status == 200
+                first = await resp.content.readline()
+                assert first.startswith(b"data: ")
+                signalled = time.monotonic()
+                gateway.send_signal(signal.SIGTERM)
+                rest = (await resp.read()).decode()
+            await asyncio.sleep(0.2)
+            try:
+                async with http.get(url + "/health") as again:
+                    refused = False
+            except aiohttp.ClientConnectionError:
+                refused = True
+        return rest, signalled, refused
+
+    try:
+        rest, signalled, refused = asyncio.run(scenario())
+        code = gateway.wait(timeout=20)
+        exited_after = time.monotonic() - signalled
+    finally:
+        for proc in (gateway, sim):
+            proc.kill()
+            proc.wait()
+    assert rest.rstrip().endswith("data: [DONE]"), rest[-300:]
+    assert rest.count('"delta"') > 100  # the stream went on after the signal
+    assert refused, "the gateway still accepted connections after SIGTERM"
+    assert code == 0
+    assert exited_after < 20
