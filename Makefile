@@ -45,5 +45,9 @@ bench-compare-quick: $(VENV)/.installed
 bench-compare: $(VENV)/.installed
 	$(VENV)/bin/python -m bench.compare $(ARGS)
 
+# The alert rules as a Prometheus Operator PrometheusRule (dashboards/kustomization.yaml).
+dashboards/prometheusrule.yaml: dashboards/alerts.yaml $(VENV)/.installed
+	$(VENV)/bin/python dashboards/prometheusrule.py > $@
+
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .venv-peers .cache .pytest_cache

@@ -142,3 +142,40 @@ def test_the_compose_files_services_mounts_and_gateway_config_exist():
     assert targets <= set(services)
     dockerfile = (DOCKER / "Dockerfile").read_text()
     assert "USER 10001" in dockerfile and 'ENTRYPOINT ["prefix-router"]' in dockerfile
+
+
+DASHBOARDS = ROOT / "dashboards"
+# monitoring.coreos.com/v1 PrometheusRule, the fields alerts.yaml uses (the Operator's CRD,
+# PrometheusRuleSpec): a misspelt key would load and never fire
+_RULE = {"type": "object", "additionalProperties": False, "required": ["alert", "expr"],
+         "properties": {"alert": {"type": "string"}, "expr": {"type": "string"}, "for": {"type": "string"},
+                        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                        "annotations": {"type": "object", "additionalProperties": {"type": "string"}}}}
+_RULE_SPEC = {"type": "object", "additionalProperties": False, "required": ["groups"],
+              "properties": {"groups": {"type": "array", "minItems": 1, "items": {
+                  "type": "object", "additionalProperties": False, "required": ["name", "rules"],
+                  "properties": {"name": {"type": "string"}, "interval": {"type": "string"},
+                                 "rules": {"type": "array", "minItems": 1, "items": _RULE}}}}}}
+
+
+def test_the_prometheusrule_is_alerts_yaml_wrapped_and_up_to_date():
+    import runpy
+
+    render = runpy.run_path(str(DASHBOARDS / "prometheusrule.py"))["render"]
+    committed = (DASHBOARDS / "prometheusrule.yaml").read_text()
+    assert committed == render(), "dashboards/prometheusrule.yaml is stale: make dashboards/prometheusrule.yaml"
+    rule = yaml.safe_load(committed)
+    assert rule["spec"]["groups"] == yaml.safe_load((DASHBOARDS / "alerts.yaml").read_text())["groups"]
+    jsonschema.validate(rule["spec"], _RULE_SPEC)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) is not installed")
+def test_the_dashboard_and_rules_kustomization_ships_the_dashboard_for_grafanas_sidecar():
+    out = subprocess.run(["kubectl", "kustomize", str(DASHBOARDS)], capture_output=True, text=True, check=True).stdout
+    docs = {d["kind"]: d for d in yaml.safe_load_all(out) if d}
+    assert set(docs) == {"ConfigMap", "PrometheusRule"}
+    config_map = docs["ConfigMap"]
+    kubernetes_validate.validate(config_map, K8S_VERSION, strict=True)
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["data"]["prefix-router.json"] == (DASHBOARDS / "prefix-router.json").read_text()
+    jsonschema.validate(docs["PrometheusRule"]["spec"], _RULE_SPEC)
