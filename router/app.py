@@ -36,10 +36,24 @@ async def _sync_loop(gw: Gateway, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
 
 
+@web.middleware
+async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own 4xx (unknown path, wrong method, body too large) as OpenAI-style JSON."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = {404: f"no such endpoint: {request.method} {request.path[:200]}",
+                   405: f"method {request.method} is not allowed on {request.path[:200]}"}.get(exc.status, exc.reason)
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return openai_error(exc.status, message, headers=headers)
+
+
 def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None) -> web.Application:
     """Build the gateway application; nothing runs until the app starts."""
     gw = Gateway(config, tokenizer)
-    app = web.Application(client_max_size=config.limits.max_body_bytes)
+    app = web.Application(client_max_size=config.limits.max_body_bytes, middlewares=[_openai_errors])
     app[GATEWAY] = gw
 
     async def lifecycle(app: web.Application):

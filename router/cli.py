@@ -124,6 +124,22 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class _ClientErrorFilter(logging.Filter):
+    """aiohttp logs every malformed HTTP request (a bad header, an oversized line) at ERROR with
+    a traceback, though it answers 400 and nothing failed here: keep one warning line, without
+    the offending bytes, so a misbehaving client cannot flood the logs or write into them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = "malformed HTTP request answered %s (%s)", (exc.code, type(exc).__name__)
+            record.exc_info = record.exc_text = None
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``prefix-router`` console script; returns the exit status."""
     parser = argparse.ArgumentParser(prog="prefix-router", description=__doc__)
@@ -138,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     add_demo(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(_ClientErrorFilter())
     return args.func(args)
 
 

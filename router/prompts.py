@@ -16,7 +16,7 @@ import xxhash
 from .blocks import BlockHash, block_hashes, seed_hash
 from .tokenizer import ChatFormatError, PromptTokenizer
 
-__all__ = ["PromptInfo", "analyze", "chat_tokens"]
+__all__ = ["PromptInfo", "analyze", "chat_tokens", "check_body"]
 
 
 @dataclass(slots=True)
@@ -47,15 +47,56 @@ def _digest(value) -> int:
     return xxhash.xxh3_64_intdigest(json.dumps(value, separators=(",", ":"), default=str).encode("utf-8", "surrogatepass"))
 
 
+def check_body(body: dict, chat: bool) -> tuple[str, str] | None:
+    """(message, param) for a body whose fields the gateway reads have the wrong shape, else None.
+
+    The same shapes vLLM's request models (``vllm/entrypoints/openai/protocol.py``) require:
+    ``messages`` a list of objects with a string ``role`` (chat), ``prompt`` a string, a list of
+    strings or a list of token ids, or a list of those lists (completions), ``model``,
+    ``cache_salt`` and ``user`` strings, ``stream`` a boolean, ``stream_options`` an object and
+    ``tools`` a list. Refusing here gives the client the 400 vLLM would, without a hop.
+    """
+    for key, kind, expected in (("model", str, "a string"), ("cache_salt", str, "a string"),
+                                ("user", str, "a string"), ("stream", bool, "a boolean"),
+                                ("stream_options", dict, "an object"), ("tools", list, "a list")):
+        if body.get(key) is not None and not isinstance(body[key], kind):
+            return f"'{key}' must be {expected}, got {_kind(body[key])}", key
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return f"'messages' must be a non-empty list of messages, got {_kind(messages)}", "messages"
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                return f"'messages[{i}]' must be an object with a string 'role', got {_kind(m)}", "messages"
+    else:
+        prompt = body.get("prompt")
+        ok = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and (
+            all(isinstance(p, str) for p in prompt) or _token_ids(prompt)
+            or all(isinstance(p, list) and p and _token_ids(p) for p in prompt)))
+        if not ok:
+            return ("'prompt' must be a string, a list of strings, a list of token ids or a list of token-id "
+                    f"lists, got {_kind(prompt)}"), "prompt"
+    return None
+
+
+def _kind(value) -> str:
+    return "nothing" if value is None else type(value).__name__
+
+
+def _token_ids(values: list) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 63 for t in values)
+
+
 def _chat_text(body: dict) -> str:
     """A canonical text of a chat request for character blocks (tools first, as templates do)."""
-    parts = [json.dumps(body.get("tools"), separators=(",", ":"))] if body.get("tools") else []
-    for m in body.get("messages") or []:
+    parts = [json.dumps(body.get("tools"), separators=(",", ":"), default=str)] if body.get("tools") else []
+    messages = body.get("messages")
+    for m in messages if isinstance(messages, list) else []:
         if isinstance(m, dict):
             content = m.get("content")
-            parts.append(f"<{m.get('role')}>{content if isinstance(content, str) else json.dumps(content)}")
+            parts.append(f"<{m.get('role')}>{content if isinstance(content, str) else json.dumps(content, default=str)}")
             if m.get("tool_calls"):
-                parts.append(json.dumps(m["tool_calls"], separators=(",", ":")))
+                parts.append(json.dumps(m["tool_calls"], separators=(",", ":"), default=str))
     return "\n".join(parts)
 
 
@@ -100,7 +141,7 @@ def analyze(body: dict, chat: bool, tokenizer: PromptTokenizer | None, block_siz
         message_hashes = ()
         conversation = session_key or ""
         text = None
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 63 for t in prompt):
+        if isinstance(prompt, list) and prompt and _token_ids(prompt):
             tokens = prompt
         elif isinstance(prompt, str) and tokenizer is not None:
             tokens = tokenizer.encode(prompt)

@@ -36,7 +36,7 @@ from .conversations import CacheResult, Conversation, classify
 from .errors import error_body, openai_error
 from .gateway import Gateway
 from .policy import Decision, ReplicaView, Route
-from .prompts import PromptInfo, analyze
+from .prompts import PromptInfo, analyze, check_body
 from .requestlog import conversation_tag
 
 __all__ = ["handle_generate", "REPLICA_HEADER"]
@@ -104,6 +104,9 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
     body = _parse(raw)
     if isinstance(body, web.Response):
         return body
+    problem = check_body(body, chat)
+    if problem is not None:
+        return openai_error(400, *problem)
     if not any(r.routable for r in gw.replicas.values()):
         return openai_error(503, "no healthy replica", type_="ServiceUnavailableError")
     session = _session_key(request, body, gw)

@@ -1,0 +1,80 @@
+"""Bad input, case by case: an OpenAI-style 4xx, never a 5xx, and nothing reaches a replica
+that the gateway can already refuse. Generated input: tests/test_fuzz.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.proxy import REPLICA_HEADER
+
+from .helpers import MODEL
+from .test_gateway import gateway  # noqa: F401 (fixture)
+
+
+def _error(status: int, body: dict) -> dict:
+    error = body["error"]
+    assert error["code"] == status and error["message"]
+    return error
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"model": MODEL, "messages": True}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": ["hello"]}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, "messages"),
+    ("/v1/chat/completions", {"model": 7, "messages": [{"role": "user", "content": "hi"}]}, "model"),
+    ("/v1/chat/completions", {"model": MODEL, "stream": "yes", "messages": [{"role": "user", "content": "hi"}]}, "stream"),
+    ("/v1/chat/completions", {"model": MODEL, "cache_salt": 1, "messages": [{"role": "user", "content": "hi"}]}, "cache_salt"),
+    ("/v1/chat/completions", {"model": MODEL, "tools": {}, "messages": [{"role": "user", "content": "hi"}]}, "tools"),
+    ("/v1/completions", {"model": MODEL}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": {"text": "hi"}}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, "two"]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [-1, 2]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, "prompt"),
+])
+async def test_fields_of_the_wrong_shape_get_a_400_naming_the_field_before_any_replica_sees_them(
+        fleet, gateway, path, body, param):
+    sims = await fleet(1)
+    client = await gateway(sims)
+    resp = await client.post(path, json=body)
+    assert resp.status == 400
+    error = _error(400, await resp.json())
+    assert error["param"] == param and f"'{param}" in error["message"]
+    assert REPLICA_HEADER not in resp.headers
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xfe{not utf-8", b'{"model": "sim", "messages": [', b"[1, 2]", b"", b"null"])
+async def test_bodies_that_are_not_a_json_object_get_a_400(fleet, gateway, raw):
+    client = await gateway(await fleet(1))
+    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    assert resp.status == 400
+    _error(400, await resp.json())
+
+
+async def test_unknown_paths_and_methods_get_openai_style_404_and_405(fleet, gateway):
+    client = await gateway(await fleet(1))
+    resp = await client.post("/v1/embeddingz", json={})
+    assert resp.status == 404 and "/v1/embeddingz" in _error(404, await resp.json())["message"]
+    resp = await client.get("/v1/chat/completions")
+    assert resp.status == 405 and "POST" in resp.headers["Allow"]
+    _error(405, await resp.json())
+
+
+async def test_an_unknown_model_gets_the_replicas_404(fleet, gateway):
+    # The replica decides: vLLM loads LoRA adapters at run time under new model names, which a
+    # list the gateway fetched earlier would not know.
+    client = await gateway(await fleet(1))
+    resp = await client.post("/v1/chat/completions",
+                             json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status == 404
+    assert "no-such-model" in _error(404, await resp.json())["message"]
+
+
+async def test_an_oversized_header_gets_a_400_and_the_gateway_keeps_serving(fleet, gateway):
+    client = await gateway(await fleet(1))
+    resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                             headers={"X-Huge": "x" * 20_000})
+    assert resp.status == 400
+    resp = await client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status == 200
