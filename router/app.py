@@ -2,7 +2,9 @@
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (routed and proxied),
 ``GET /v1/models`` (from the first healthy replica), ``GET /health`` (liveness), ``GET /ready``
-(200 when at least one replica is on the ring, else 503), ``GET /metrics``, ``GET /replicas``.
+(200 when at least one replica is on the ring, else 503), ``GET /metrics``, ``GET /replicas``
+(an admin key once any key is configured: ``tenants.py``). Errors are OpenAI-style JSON,
+aiohttp's own 404 and 405 included.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .gateway import Gateway
 from .errors import openai_error
 from .proxy import REPLICA_HEADER, handle_generate
 from .replicas import poll_health, poll_metrics, scrape_once
+from .tenants import bearer
 from .tokenizer import PromptTokenizer
 
 __all__ = ["create_app", "GATEWAY"]
@@ -50,6 +53,13 @@ async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
         return openai_error(exc.status, message, headers=headers)
 
 
+def _forbidden(request: web.Request) -> web.Response:
+    """401 without a key, 403 with a key that is not an admin's."""
+    if bearer(request) is None:
+        return openai_error(401, "this view needs an admin key (Authorization: Bearer KEY)", type_="AuthenticationError")
+    return openai_error(403, "this view needs an admin key; the key given is not one", type_="PermissionDeniedError")
+
+
 def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None) -> web.Application:
     """Build the gateway application; nothing runs until the app starts."""
     gw = Gateway(config, tokenizer)
@@ -62,9 +72,11 @@ def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None) 
         # Bodies are relayed as they are (auto_decompress off, no Content-Encoding passed on), so
         # ask for identity: aiohttp would otherwise send "Accept-Encoding: gzip, deflate", and
         # vLLM's /metrics (prometheus-client) or a gzip proxy would answer compressed bytes.
+        headers = {"Accept-Encoding": "identity"}
+        if config.auth.upstream_api_key:  # vllm serve --api-key: every call to a replica carries it
+            headers["Authorization"] = f"Bearer {config.auth.upstream_api_key}"
         gw.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=up.max_connections),
-                                        timeout=timeout, auto_decompress=False,
-                                        headers={"Accept-Encoding": "identity"})
+                                        timeout=timeout, auto_decompress=False, headers=headers)
         if config.discovery.dns:  # the first lookup before serving, so a discovery-only gateway is ready at once
             await discover_once(gw, config.discovery)
         replicas = list(gw.replicas.values())
@@ -95,6 +107,8 @@ def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None) 
         return await handle_generate(request, gw, "/v1/completions", chat=False)
 
     async def models(request: web.Request) -> web.Response:
+        if gw.tenants.enabled and gw.tenants.tenant_of(request) is None and not gw.tenants.is_admin(request):
+            return openai_error(401, "missing or unknown API key (Authorization: Bearer KEY)", type_="AuthenticationError")
         for replica in gw.replicas.values():
             if not replica.healthy:
                 continue
@@ -118,6 +132,8 @@ def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None) 
         return web.Response(body=generate_latest(gw.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def replicas(request: web.Request) -> web.Response:
+        if not gw.tenants.is_admin(request):
+            return _forbidden(request)
         return web.json_response(gw.describe())
 
     app.router.add_post("/v1/chat/completions", chat)

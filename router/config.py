@@ -42,7 +42,7 @@ import yaml
 
 __all__ = ["POLICIES", "ConfigError", "ReplicaConfig", "RoutingConfig", "IndexConfig",
            "HealthConfig", "ScrapeConfig", "UpstreamConfig", "LimitsConfig", "DiscoveryConfig", "BreakerConfig",
-           "AdmissionConfig", "GatewayConfig",
+           "AdmissionConfig", "TenantConfig", "AuthConfig", "GatewayConfig",
            "load_config", "config_from_dict"]
 
 POLICIES = ("prefix-affinity", "round-robin", "least-loaded")
@@ -205,6 +205,36 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class TenantConfig:
+    """One tenant: the API keys that act for it and the cache salt its requests get."""
+
+    name: str  # bounded by the configuration, so safe as a metric label and a log field
+    # API keys (Authorization: Bearer KEY); "env:NAME" reads one from the environment (a
+    # Kubernetes Secret), so keys stay out of ConfigMaps
+    keys: tuple[str, ...]
+    # vLLM cache_salt for its requests; None: "tenant:<name>". Need not be secret: clients
+    # cannot set it (see AuthConfig.client_salt) as long as replicas are reachable only
+    # through the gateway
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AuthConfig:
+    """API keys, tenants and their KV cache isolation (router/tenants.py). Empty: open gateway."""
+
+    tenants: tuple[TenantConfig, ...] = ()
+    # keys for GET /replicas; once any key is configured, those views need one of these
+    admin_keys: tuple[str, ...] = ()
+    # a client's own cache_salt under tenants: "override" replaces it with the tenant's;
+    # "nest" keeps it inside the tenant's ("<tenant salt>/<client salt>"), so a client can
+    # partition its own cache further but never reach another tenant's
+    client_salt: str = "override"
+    # the key sent to replicas (vllm serve --api-key) in place of the client's; tenant keys are
+    # never forwarded. None: no Authorization header upstream
+    upstream_api_key: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class GatewayConfig:
     """The whole gateway; built by ``load_config`` or ``config_from_dict``."""
 
@@ -227,6 +257,7 @@ class GatewayConfig:
     discovery: DiscoveryConfig = DiscoveryConfig()
     breaker: BreakerConfig = BreakerConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    auth: AuthConfig = AuthConfig()
     # seconds SIGTERM waits for in-flight requests (streams included) to finish before exit;
     # Kubernetes' default terminationGracePeriodSeconds is 30, so 25 leaves the rest for exit
     drain_s: float = 25.0
@@ -298,6 +329,22 @@ def _dns_name(value: str) -> str:
     return name
 
 
+def _secret(value: str) -> str:
+    """A key, or ``env:NAME``: the value of environment variable NAME (which must be set)."""
+    if value.startswith("env:"):
+        name = value[4:]
+        if not os.environ.get(name):
+            raise _Reject(f"environment variable {name} to be set (the key is read from it)")
+        value = os.environ[name]
+    if len(value) < 8 or value != value.strip():
+        raise _Reject("a key of at least 8 characters without surrounding spaces")
+    return value
+
+
+def _secrets(values: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(_secret(v) for v in values)
+
+
 _POSITIVE = _bounded(1)
 _NON_NEGATIVE = _bounded(0)
 _TIME = _bounded(0, strict=True)  # seconds
@@ -336,6 +383,12 @@ _CHECKS: dict[tuple[type, str], _Check] = {
     (AdmissionConfig, "max_queue"): _NON_NEGATIVE,
     (AdmissionConfig, "timeout_s"): _TIME,
     (GatewayConfig, "drain_s"): _NON_NEGATIVE,
+    (TenantConfig, "name"): _non_empty,
+    (TenantConfig, "keys"): _secrets,
+    (TenantConfig, "cache_salt"): _non_empty,
+    (AuthConfig, "admin_keys"): _secrets,
+    (AuthConfig, "client_salt"): _one_of("override", "nest"),
+    (AuthConfig, "upstream_api_key"): _secret,
     (LimitsConfig, "max_body_bytes"): _POSITIVE,
     (DiscoveryConfig, "dns"): _dns_name,
     (DiscoveryConfig, "port"): _bounded(1, 65535),
@@ -467,6 +520,25 @@ def _check_unique_replicas(config: GatewayConfig) -> None:
         seen[replica.url] = i
 
 
+def _check_keys(auth: AuthConfig) -> None:
+    """Tenant names unique; every key acts for one tenant or for admins, never both."""
+    owner: dict[str, str] = {}
+    names: set[str] = set()
+    for i, tenant in enumerate(auth.tenants):
+        if tenant.name in names:
+            raise ConfigError(f"auth.tenants[{i}].name: tenant {tenant.name!r} is listed twice")
+        names.add(tenant.name)
+        if not tenant.keys:
+            raise ConfigError(f"auth.tenants[{i}].keys: expected at least one key")
+        for key in tenant.keys:
+            if key in owner:
+                raise ConfigError(f"auth.tenants[{i}].keys: a key of {tenant.name!r} is also one of {owner[key]}")
+            owner[key] = repr(tenant.name)
+    for key in auth.admin_keys:
+        if key in owner:
+            raise ConfigError(f"auth.admin_keys: a key is also one of tenant {owner[key]}; give admins their own")
+
+
 def config_from_dict(data: Mapping[str, Any]) -> GatewayConfig:
     """Build and validate a ``GatewayConfig`` from a nested mapping shaped like the YAML file.
 
@@ -478,6 +550,7 @@ def config_from_dict(data: Mapping[str, Any]) -> GatewayConfig:
                           f"({type(data).__name__})")
     config = _build(GatewayConfig, data, "")
     _check_unique_replicas(config)
+    _check_keys(config.auth)
     if config.breaker.max_cooldown_s < config.breaker.cooldown_s:
         raise ConfigError(f"breaker.max_cooldown_s: expected a value >= breaker.cooldown_s "
                           f"({config.breaker.cooldown_s:g}), got {config.breaker.max_cooldown_s:g}")

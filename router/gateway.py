@@ -30,6 +30,7 @@ from .prompts import PromptInfo
 from .replicas import ReplicaState
 from .requestlog import RequestLog
 from .ring import Ring
+from .tenants import Tenants
 from .tokenizer import PromptTokenizer
 
 __all__ = ["Gateway", "replica_name"]
@@ -65,6 +66,7 @@ class Gateway:
         self.http: aiohttp.ClientSession | None = None
         self.request_log = RequestLog(config.request_log) if config.request_log else None
         self.admission = Admission(config.admission, self.saturated)
+        self.tenants = Tenants(config.auth)
         self.metrics.admission_waiting.set_function(lambda: len(self.admission))
 
     def saturated(self) -> bool:

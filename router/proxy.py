@@ -69,17 +69,18 @@ def _parse(raw: bytes) -> dict | web.Response:
     return body
 
 
-def _with_usage(raw: bytes, body: dict, options) -> bytes:
-    """The body with ``stream_options.include_usage`` on, so the engine reports cached tokens.
+def _patched(raw: bytes, body: dict, extra: dict) -> bytes:
+    """The client's body with the ``extra`` top-level keys set (usage reporting, a tenant's salt).
 
-    Without ``stream_options`` in the body, the key is spliced in front of the client's bytes
-    (no re-serialisation of a prompt that may be megabytes); otherwise the body is re-encoded.
+    When none of them is in the body, they are spliced in front of the client's bytes (no
+    re-serialisation of a prompt that may be megabytes); otherwise the body is re-encoded.
     """
+    if not extra:
+        return raw
     stripped = raw.lstrip()
-    if "stream_options" not in body and body and stripped.startswith(b"{"):
-        return b'{"stream_options":{"include_usage":true},' + stripped[1:]
-    merged = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-    return json.dumps({**body, "stream_options": merged}).encode()
+    if body and stripped.startswith(b"{") and not any(k in body for k in extra):
+        return b"{" + json.dumps(extra, separators=(",", ":"))[1:-1].encode() + b"," + stripped[1:]
+    return json.dumps({**body, **extra}).encode()
 
 
 def _session_key(request: web.Request, body: dict, gw: Gateway) -> str | None:
@@ -92,12 +93,23 @@ def _session_key(request: web.Request, body: dict, gw: Gateway) -> str | None:
     return None
 
 
-def _forward_headers(request: web.Request) -> dict[str, str]:
-    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+def _forward_headers(request: web.Request, gw: Gateway) -> dict[str, str]:
+    """The client's headers, less hop-by-hop ones. Under tenants the client's Authorization (a
+    tenant key) is dropped, so replicas never see it; the HTTP session then sends
+    ``auth.upstream_api_key`` when one is configured (``app.create_app``)."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+    if gw.tenants.enabled:
+        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+    return headers
 
 
 async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bool) -> web.StreamResponse:
     """``POST /v1/completions`` and ``/v1/chat/completions``: read, route, forward."""
+    tenant = None
+    if gw.tenants.enabled:
+        tenant = gw.tenants.tenant_of(request)
+        if tenant is None:
+            return openai_error(401, "missing or unknown API key (Authorization: Bearer KEY)", type_="AuthenticationError")
     raw = await _read_raw(request, gw.config.limits.max_body_bytes)
     if isinstance(raw, web.Response):
         return raw
@@ -109,7 +121,21 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
         return openai_error(400, *problem)
     if not any(r.routable for r in gw.replicas.values()):
         return openai_error(503, "no healthy replica", type_="ServiceUnavailableError")
+    stream = body.get("stream") is True
+    options = body.get("stream_options")
+    client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+    extra: dict = {}
+    if stream and not client_wants_usage:  # the engine reports cached_tokens; dropped on the way back
+        extra["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     session = _session_key(request, body, gw)
+    if tenant is not None:
+        salt = gw.tenants.salt(tenant, body.get("cache_salt"))
+        if body.get("cache_salt") != salt:
+            extra["cache_salt"] = salt
+        if session is not None:
+            session = f"{tenant.name}:{session}"  # tenants' session ids never meet
+    payload = _patched(raw, body, extra)
+    body.update(extra)  # what the replica sees is what routing hashes (the salt seeds the blocks)
     info: PromptInfo = await asyncio.get_running_loop().run_in_executor(
         gw.executor, analyze, body, chat, gw.tokenizer, gw.block_size, gw.config.routing.char_block_size, session)
     if gw.config.log_prompts:  # an operator's explicit choice (off by default)
@@ -125,11 +151,7 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
     decision = gw.policy.select(info.hashes, info.full_hash, healthy, key, gw.max_hit_blocks(info))
     gw.metrics.routing_seconds.observe(time.perf_counter() - started)
     gw.branches.record(info.hashes, gw.config.routing.max_key_blocks)
-    stream = body.get("stream") is True
-    options = body.get("stream_options")
-    client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
-    upstream_request = _Upstream(path, _with_usage(raw, body, options) if stream and not client_wants_usage else raw,
-                                 {**_forward_headers(request), "Content-Type": "application/json"},
+    upstream_request = _Upstream(path, payload, {**_forward_headers(request, gw), "Content-Type": "application/json"},
                                  stream, client_wants_usage)
     return await _forward(request, gw, decision, info, upstream_request)
 

@@ -294,10 +294,11 @@ async def test_a_restarted_replica_starts_with_an_empty_view_so_its_misses_are_c
     b'\xef\xbb\xbf{"stream": true}',
 ])
 def test_usage_is_requested_from_the_engine_without_changing_anything_else(raw):
-    from router.proxy import _parse, _with_usage
+    from router.proxy import _parse, _patched
 
     body = _parse(raw)
-    sent = json.loads(_with_usage(raw, body, body.get("stream_options")))
+    options = {**(body.get("stream_options") or {}), "include_usage": True}
+    sent = json.loads(_patched(raw, body, {"stream_options": options}))
     assert sent["stream_options"]["include_usage"] is True
     assert {k: v for k, v in sent.items() if k != "stream_options"} == {k: v for k, v in body.items() if k != "stream_options"}
     assert {k: v for k, v in sent["stream_options"].items() if k != "include_usage"} == \

@@ -87,14 +87,14 @@ def _engine_hits(urls: list[str]) -> float:
 
 
 @contextmanager
-def _gateway(urls: list[str], tmp_path: Path, policy: str = "prefix-affinity"):
+def _gateway(urls: list[str], tmp_path: Path, policy: str = "prefix-affinity", extra_config: str = ""):
     """A fresh gateway on emptied replicas; yields (base URL, request log path)."""
     _reset(urls)
     log = tmp_path / f"requests-{policy}.jsonl"
     # Two CPU replicas computing long prompts on two cores can take seconds to answer /health;
     # a GPU replica answers at once. Patient health checks keep this test about routing.
     config = tmp_path / "gateway.yaml"
-    config.write_text("health: {timeout_s: 10.0, unhealthy_after: 3}\n")
+    config.write_text("health: {timeout_s: 10.0, unhealthy_after: 3}\n" + extra_config)
     spec = launch.gateway_server(tmp_path, urls, ["--config", str(config), "--policy", policy,
                                                   "--tokenizer", str(tiny_model()), "--request-log", str(log)])
     with launch.running([spec]) as (url,):
@@ -228,3 +228,24 @@ def test_tenants_with_different_cache_salts_share_no_blocks(engines, tmp_path):
     assert cached[2] == 0 and cached[4] == 0, cached  # never another tenant's
     assert cached[3] == cached[1], cached
     assert [line["predicted_cached_tokens"] for line in _read_log(log)[:4]] == cached[:4]  # the gateway knew
+
+
+def test_gateway_tenants_get_their_own_salt_so_the_engine_shares_nothing_between_them(engines, tmp_path):
+    """Tenants configured at the gateway, clients sending no salt, one replica (so any sharing
+    would show): the engine reports cached tokens for a tenant's own repeat, none across
+    tenants. That the gateway overrides a salt a client forges is checked at the replica's
+    door in tests/test_tenants.py."""
+    document = " ".join(f"section {i}: shared policy text that both tenants happen to send." for i in range(60))
+    body = {"model": "tiny", "max_tokens": 4, "ignore_eos": True,
+            "messages": [{"role": "system", "content": document}, {"role": "user", "content": "summarise"}]}
+    auth = ("auth:\n  tenants:\n    - {name: acme, keys: [sk-acme-0001]}\n"
+            "    - {name: bolt, keys: [sk-bolt-0001]}\n")
+    headers = {"acme": {"Authorization": "Bearer sk-acme-0001"}, "bolt": {"Authorization": "Bearer sk-bolt-0001"}}
+    with _gateway(engines[:1], tmp_path, extra_config=auth) as (url, log):
+        results = [post_json(url + "/v1/chat/completions", body, headers=headers[tenant])
+                   for tenant in ("acme", "acme", "bolt", "bolt")]
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in results]
+    prompt = results[0]["usage"]["prompt_tokens"]
+    assert cached[0] == 0 and cached[1] >= prompt - 2 * BLOCK_SIZE, cached  # acme reuses its own blocks
+    assert cached[2] == 0, cached  # bolt gets none of acme's
+    assert cached[3] == cached[1], cached  # and reuses its own
