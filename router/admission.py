@@ -1,8 +1,9 @@
 """The admission queue: requests wait at the gateway, not at a saturated replica.
 
-When every routable replica's load (queue depth at the last scrape plus requests sent since)
-is at or above ``AdmissionConfig.saturated_depth``, a new request waits here, first come first
-served, until some replica drops below it; it is then routed with what the gateway knows at
+When every routable replica is saturated (``Gateway.saturated``: its engine reported a queue
+at the last scrape, and that queue plus the requests sent since reach
+``AdmissionConfig.saturated_depth``), a new request waits here, first come first served, until
+some replica is not; it is then routed with what the gateway knows at
 that moment, so it lands where capacity freed rather than where it would have queued. The
 queue is bounded (``max_queue``: beyond it, 429 at once) and so is the wait (``timeout_s``:
 then 503); both answers carry ``Retry-After``, as the OpenAI API and vLLM's clients expect

@@ -168,10 +168,10 @@ class BreakerConfig:
 class AdmissionConfig:
     """The gateway's admission queue for when every replica is saturated (router/admission.py)."""
 
-    # a replica is saturated at this load (queue depth + requests sent since the last scrape);
-    # 0: never, every request goes straight to a replica and queues there. 4 x the spill depth
-    # by default: spillover has already spread the load, and more waiting at a replica only
-    # grows its TTFT
+    # a replica is saturated at this load (queue depth + requests sent since the last scrape)
+    # when its engine reported a queue at all; 0: never, every request goes straight to a
+    # replica and queues there. 4 x the spill depth by default: spillover has already spread
+    # the load, and more waiting at a replica only grows its TTFT
     saturated_depth: int = 32
     # requests waiting at the gateway at most; more get 429 at once
     max_queue: int = 1024

@@ -70,11 +70,16 @@ class Gateway:
         self.metrics.admission_waiting.set_function(lambda: len(self.admission))
 
     def saturated(self) -> bool:
-        """Every routable replica at or above ``admission.saturated_depth`` (False with none:
-        that is answered 503 at once, not queued)."""
+        """Every routable replica saturated (False with none: that is answered 503 at once).
+
+        A replica is saturated when its engine reported requests waiting at the last scrape and
+        its load (that queue plus requests sent since) is at or above ``admission.saturated_depth``.
+        The first condition keeps a burst to replicas that run everything they get (vLLM runs
+        up to ``max_num_seqs`` at once) from being held here until the next scrape.
+        """
         depth = self.config.admission.saturated_depth
-        loads = [r.load for r in self.replicas.values() if r.routable]
-        return bool(loads) and min(loads) >= depth
+        routable = [r for r in self.replicas.values() if r.routable]
+        return bool(routable) and all(r.waiting > 0 and r.load >= depth for r in routable)
 
     def add_replica(self, rc: ReplicaConfig, *, discovered: bool = False) -> ReplicaState:
         """Know a replica. A discovered one joins the ring after its first ``/metrics`` scrape

@@ -177,51 +177,77 @@ async def test_a_replica_that_accepts_connections_but_never_answers_is_timed_out
 async def test_when_every_replica_is_saturated_requests_wait_then_get_429_or_503_with_retry_after(fleet,
                                                                                                   aiohttp_client):
     # One replica, one sequence at a time: a 400-token answer takes 400 x 6 ms / time scale 2
-    # = 1.2 s, longer than the 0.5 s wait allowed. No scrape during the test, so a replica's
-    # load is exactly the requests this gateway has sent it.
+    # = 1.2 s, far longer than the 0.5 s wait allowed.
     (sim,) = await fleet(1, max_num_seqs=1, time_scale=2.0)
     config = config_from_dict({"replicas": [str(sim.make_url("")).rstrip("/")],
                                "admission": {"saturated_depth": 2, "max_queue": 2, "timeout_s": 0.5},
-                               "scrape": {"interval_s": 60}})
+                               "scrape": {"interval_s": 0.05}})
     client = await aiohttp_client(create_app(config, ByteTokenizer()))
+    (replica,) = client.app[GATEWAY].replicas.values()
 
     async def one(i: int) -> tuple[int, dict, str]:
-        await asyncio.sleep(0.02 * i)  # in order
         resp = await client.post("/v1/chat/completions", json=_chat_body(i, max_tokens=400))
         return resp.status, dict(resp.headers), await resp.text()
 
-    results = await asyncio.gather(*(one(i) for i in range(8)))
-    statuses = [status for status, _, _ in results]
-    # 2 reach the replica (then it is saturated), 2 wait and time out, 4 find the queue full
-    assert statuses[:2] == [200, 200], statuses
-    assert sorted(statuses[2:]) == [429] * 4 + [503] * 2, statuses
-    for status, headers, raw in results:
-        if status != 200:
-            assert headers.get("Retry-After") == "1"
-            error = json.loads(raw)["error"]
-            assert error["code"] == status and "saturated" in error["message"]
+    first = [asyncio.create_task(one(i)) for i in range(3)]  # one runs, two wait at the replica
+    await wait_until(lambda: replica.waiting == 2, 5)
+    late = await asyncio.gather(*(one(10 + i) for i in range(6)))
+    statuses = sorted(status for status, _, _ in late)
+    # saturated: 2 wait at the gateway and time out (503), 4 find its queue full (429)
+    assert statuses == [429] * 4 + [503] * 2, statuses
+    for status, headers, raw in late:
+        assert headers.get("Retry-After") == "1"
+        error = json.loads(raw)["error"]
+        assert error["code"] == status and "saturated" in error["message"]
+    assert [status for status, _, _ in await asyncio.gather(*first)] == [200] * 3
     page = await (await client.get("/metrics")).text()
     assert 'prefix_router_admission_rejected_total{reason="queue_full"} 4.0' in page
     assert 'prefix_router_admission_rejected_total{reason="timeout"} 2.0' in page
 
 
-async def test_a_request_queued_at_the_gateway_is_served_when_a_replica_frees_up(fleet, aiohttp_client):
-    (sim,) = await fleet(1, max_num_seqs=1, time_scale=20.0)
+async def test_a_burst_to_replicas_that_run_it_all_is_not_held_at_the_gateway(fleet, aiohttp_client):
+    # 40 requests at once to a replica that runs them all: its load (requests sent since the
+    # last scrape) passes saturated_depth, but its engine reports no queue, so none waits here.
+    (sim,) = await fleet(1, time_scale=20.0)
     config = config_from_dict({"replicas": [str(sim.make_url("")).rstrip("/")],
-                               "admission": {"saturated_depth": 1, "max_queue": 10, "timeout_s": 20},
-                               "scrape": {"interval_s": 0.1}})
+                               "admission": {"saturated_depth": 4, "max_queue": 1, "timeout_s": 0.2},
+                               "scrape": {"interval_s": 60}})
     client = await aiohttp_client(create_app(config, ByteTokenizer()))
-    gw = client.app[GATEWAY]
 
     async def one(i: int) -> int:
-        await asyncio.sleep(0.02 * i)
+        resp = await client.post("/v1/chat/completions", json=_chat_body(i, max_tokens=50))
+        await resp.read()
+        return resp.status
+
+    assert await asyncio.gather(*(one(i) for i in range(40))) == [200] * 40
+
+
+async def test_a_request_queued_at_the_gateway_is_served_when_a_replica_frees_up(fleet, aiohttp_client):
+    # 100 tokens x 6 ms / time scale 2: 0.3 s a request, one at a time
+    (sim,) = await fleet(1, max_num_seqs=1, time_scale=2.0)
+    config = config_from_dict({"replicas": [str(sim.make_url("")).rstrip("/")],
+                               "admission": {"saturated_depth": 1, "max_queue": 10, "timeout_s": 20},
+                               "scrape": {"interval_s": 0.05}})
+    client = await aiohttp_client(create_app(config, ByteTokenizer()))
+    gw = client.app[GATEWAY]
+    most = 0
+
+    async def one(i: int) -> int:
+        await asyncio.sleep(0.1 * i)
         resp = await client.post("/v1/chat/completions", json=_chat_body(i, max_tokens=100))
         await resp.read()
         return resp.status
 
-    tasks = [asyncio.create_task(one(i)) for i in range(6)]
-    await wait_until(lambda: len(gw.admission) > 0, 5)  # some did wait at the gateway
-    assert await asyncio.gather(*tasks) == [200] * 6
+    async def watch() -> None:
+        nonlocal most
+        while True:
+            most = max(most, len(gw.admission))
+            await asyncio.sleep(0.01)
+
+    watcher = asyncio.create_task(watch())
+    assert await asyncio.gather(*(one(i) for i in range(6))) == [200] * 6
+    watcher.cancel()
+    assert most > 0, "nothing waited at the gateway: no test"
     assert len(gw.admission) == 0
 
 
