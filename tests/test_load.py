@@ -27,3 +27,39 @@ def test_five_thousand_concurrent_streams_through_the_gateway(tmp_path):
     # measured 214 MiB at the peak (52 MiB idle): about 32 KiB per stream, client and upstream
     # connection together; a bound well above it, that a leak per chunk or per request would pass
     assert result["gateway_memory_mib"]["peak"] < 600
+
+
+async def test_the_gateways_bookkeeping_stays_within_its_bounds_over_a_long_replay(fleet, aiohttp_server):
+    """Shadow indexes, branch statistics, conversation memory and change sites stay at or under
+    their configured bounds while a replay keeps adding conversations (each bound well below
+    what the replay would fill)."""
+    from router.app import GATEWAY, create_app
+    from router.config import config_from_dict
+    from router.gateway import MAX_CHANGE_SITES
+    from router.replay.client import replay
+    from router.replay.generate import builtin_workload
+    from router.tokenizer import ByteTokenizer
+
+    from .helpers import MODEL
+
+    sims = await fleet(2)
+    bounds = {"max_blocks_per_replica": 400, "max_branch_blocks": 300, "max_conversations": 20}
+    config = config_from_dict({"replicas": [str(s.make_url("")).rstrip("/") for s in sims], "index": bounds,
+                               "scrape": {"interval_s": 0.2}})
+    server = await aiohttp_server(create_app(config, ByteTokenizer()))
+    gw = server.app[GATEWAY]
+    seen = {"shadow": 0, "branches": 0, "conversations": 0}
+    requests = builtin_workload("breakers", sessions=120, seed=4)
+    for start in range(0, len(requests), 100):  # in slices, checking the bounds between them
+        records = await replay(requests[start:start + 100], str(server.make_url("")), model=MODEL, time_scale=500)
+        assert all(r.error is None for r in records)
+        seen["shadow"] = max(seen["shadow"], *(len(r.shadow) for r in gw.replicas.values()))
+        seen["branches"] = max(seen["branches"], len(gw.branches))
+        seen["conversations"] = max(seen["conversations"], len(gw.conversations))
+    print(f"{len(requests)} requests; most held: {seen} (bounds {bounds})")
+    assert 0 < seen["shadow"] <= bounds["max_blocks_per_replica"]
+    assert 0 < seen["branches"] <= bounds["max_branch_blocks"]
+    assert seen["conversations"] == bounds["max_conversations"]  # filled, never past
+    assert len(gw.change_sites) <= MAX_CHANGE_SITES
+    total_blocks = sum(r.shadow.capacity for r in gw.replicas.values())
+    assert total_blocks == 2 * bounds["max_blocks_per_replica"]
