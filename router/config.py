@@ -198,10 +198,14 @@ class DiscoveryConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LimitsConfig:
-    """Limits on what clients may send."""
+    """Limits on what clients may send, and on clients that stop reading."""
 
     # request bodies above this get 413; 32 MiB fits a 128K-token prompt as JSON many times
     max_body_bytes: int = 32 * 1024 * 1024
+    # a streaming client that accepts no data for this long (its socket buffer full) is cut
+    # off, so the replica stops generating for it and frees its KV blocks; a live client
+    # reads within milliseconds
+    client_write_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -390,6 +394,7 @@ _CHECKS: dict[tuple[type, str], _Check] = {
     (AuthConfig, "client_salt"): _one_of("override", "nest"),
     (AuthConfig, "upstream_api_key"): _secret,
     (LimitsConfig, "max_body_bytes"): _POSITIVE,
+    (LimitsConfig, "client_write_timeout_s"): _TIME,
     (DiscoveryConfig, "dns"): _dns_name,
     (DiscoveryConfig, "port"): _bounded(1, 65535),
     (DiscoveryConfig, "scheme"): _one_of("http", "https"),

@@ -44,6 +44,9 @@ __all__ = ["handle_generate", "REPLICA_HEADER"]
 log = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-prefix-router-replica"
+# bytes queued for a client above which a stream write is timed (limits.client_write_timeout_s);
+# aiohttp pauses writing at 64 KiB, so below this the client is keeping up
+_CLIENT_BUFFER_BYTES = 64 * 1024
 _NOT_RELAYED = {"content-length", "content-encoding", "transfer-encoding", "connection", "keep-alive",
                 "server", "date"}  # aiohttp sets its own
 _HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
@@ -275,6 +278,8 @@ async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: s
     else:
         response = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
         await response.prepare(request)
+        transport = request.transport
+        write_timeout = gw.config.limits.client_write_timeout_s
         skip_blank = False
         try:
             async for line in upstream.content:
@@ -291,14 +296,25 @@ async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: s
                         continue
                 elif ttft is None and line.startswith(b"data: {"):
                     ttft = time.perf_counter() - t0
-                await response.write(line)
+                if transport is not None and transport.get_write_buffer_size() > _CLIENT_BUFFER_BYTES:
+                    try:  # the client is not reading: wait for it, but not forever
+                        async with asyncio.timeout(write_timeout):
+                            await response.write(line)
+                    except TimeoutError:
+                        log.warning("client of a stream from %s read nothing for %g s; closing it", name, write_timeout)
+                        transport.abort()  # leaving the upstream context closes it: the engine aborts
+                        status = 499
+                        break
+                else:
+                    await response.write(line)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # Bytes already reached the client: no retry; end the stream with an error event.
             log.warning("stream from %s ended early: %s", name, type(exc).__name__)
             error = error_body(502, f"replica {name} stopped streaming ({type(exc).__name__})")
             await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
             status = 502
-        await response.write_eof()
+        if status != 499:
+            await response.write_eof()
     _account(gw, name, decision, info, status, usage, ttft, time.perf_counter() - t0)
     return response, status
 

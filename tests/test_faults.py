@@ -296,3 +296,32 @@ def test_sigterm_lets_a_running_stream_finish_then_the_gateway_exits(tmp_path):
     assert refused, "the gateway still accepted connections after SIGTERM"
     assert code == 0
     assert exited_after < 20
+
+
+async def test_a_client_that_stops_reading_a_stream_is_cut_off_and_the_replica_stops_generating(fleet,
+                                                                                               aiohttp_server):
+    """A raw socket with a small receive buffer asks for a long stream and never reads it: the
+    gateway's writes back up, and after ``client_write_timeout_s`` it drops the client and the
+    upstream request, instead of holding both (and the replica's KV blocks) forever."""
+    import socket
+
+    (sim,) = await fleet(1, time_scale=1000.0)
+    config = config_from_dict({"replicas": [str(sim.make_url("")).rstrip("/")],
+                               "limits": {"client_write_timeout_s": 0.5}, "scrape": {"interval_s": 0.1}})
+    server = await aiohttp_server(create_app(config, ByteTokenizer()))
+    gw = server.app[GATEWAY]
+    (replica,) = gw.replicas.values()
+    body = json.dumps(_chat_body(1, stream=True, max_tokens=50_000)).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    try:
+        await wait_until(lambda: replica.inflight == 1, 5)
+        await wait_until(lambda: replica.inflight == 0, 10)  # cut off: not stuck writing
+        async with aiohttp.ClientSession() as http, http.get(str(server.make_url("/metrics"))) as page:
+            assert 'code="499"' in await page.text()
+        await wait_until(lambda: replica.running == 0, 5)  # the replica stopped generating (scraped)
+    finally:
+        sock.close()
