@@ -21,14 +21,14 @@ from typing import NewType
 
 import xxhash
 
-__all__ = ["BlockHash", "seed_hash", "extend_block_hashes", "block_hashes"]
+__all__ = ["BlockHash", "seed_hash", "extend_block_hashes", "block_hashes", "text_block_hashes"]
 
 BlockHash = NewType("BlockHash", int)
 
 
 def seed_hash(model: str, cache_salt: str | None = None, lora: str | None = None) -> BlockHash:
     """The parent hash of a prompt's first block: separates models, adapters and cache salts."""
-    key = f"{model}\x00{lora or ''}\x00{cache_salt or ''}".encode()
+    key = f"{model}\x00{lora or ''}\x00{cache_salt or ''}".encode("utf-8", "surrogatepass")  # JSON allows lone surrogates
     return BlockHash(xxhash.xxh3_64_intdigest(key))
 
 
@@ -51,6 +51,24 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
     for offset in range(0, len(data), width):
         parent = BlockHash(digest(data[offset : offset + width], parent))
         hashes.append(parent)
+
+
+def text_block_hashes(text: str, block_size: int, seed: BlockHash) -> list[BlockHash]:
+    """Chained hashes of the full ``block_size``-character blocks of ``text`` (the gateway's
+    approximate blocks without a tokenizer). Hashes UTF-32 windows of the text, never a list of
+    code points: a 30 MB prompt costs tens of MB here, not a gigabyte."""
+    out: list[BlockHash] = []
+    parent = seed
+    digest = xxhash.xxh3_64_intdigest
+    width = 4 * block_size
+    window = block_size * 4096  # characters encoded at a time
+    end = len(text) - len(text) % block_size
+    for start in range(0, end, window):
+        data = text[start : min(start + window, end)].encode("utf-32-le", "surrogatepass")
+        for offset in range(0, len(data), width):
+            parent = BlockHash(digest(data[offset : offset + width], parent))
+            out.append(parent)
+    return out
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, seed: BlockHash) -> list[BlockHash]:

@@ -61,6 +61,11 @@ class CircuitBreaker:
         if self.state(now) is BreakerState.HALF_OPEN:
             self.trial_inflight = True
 
+    def release_trial(self) -> None:
+        """An attempt ended saying nothing of the replica (its client left, or every replica
+        refused the request): a half-open breaker may send another trial."""
+        self.trial_inflight = False
+
     def record(self, ok: bool, now: float) -> BreakerState | None:
         """Count one attempt's outcome; returns the new state when it changed, else None."""
         before = self.state(now)

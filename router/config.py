@@ -345,6 +345,19 @@ def _secret(value: str) -> str:
     return value
 
 
+def _tenant_name(value: str) -> str:
+    """Letters, digits, '.', '_' and '-': no '/' or ':', which join salts and session ids."""
+    if not value or len(value) > 63 or not all(c.isascii() and (c.isalnum() or c in "._-") for c in value):
+        raise _Reject("1-63 letters, digits, '.', '_' or '-'")
+    return value
+
+
+def _salt(value: str) -> str:
+    if not value or "/" in value:
+        raise _Reject("a non-empty salt without '/' (nested client salts follow a '/')")
+    return value
+
+
 def _secrets(values: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(_secret(v) for v in values)
 
@@ -387,9 +400,9 @@ _CHECKS: dict[tuple[type, str], _Check] = {
     (AdmissionConfig, "max_queue"): _NON_NEGATIVE,
     (AdmissionConfig, "timeout_s"): _TIME,
     (GatewayConfig, "drain_s"): _NON_NEGATIVE,
-    (TenantConfig, "name"): _non_empty,
+    (TenantConfig, "name"): _tenant_name,
     (TenantConfig, "keys"): _secrets,
-    (TenantConfig, "cache_salt"): _non_empty,
+    (TenantConfig, "cache_salt"): _salt,
     (AuthConfig, "admin_keys"): _secrets,
     (AuthConfig, "client_salt"): _one_of("override", "nest"),
     (AuthConfig, "upstream_api_key"): _secret,

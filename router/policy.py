@@ -28,6 +28,8 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import xxhash
+
 from .blocks import BlockHash
 from .config import RoutingConfig
 from .index import BranchStats, ShadowIndex
@@ -77,8 +79,8 @@ def routing_key(branches: BranchStats, max_key_blocks: int, hashes: Sequence[Blo
     """(key depth in blocks, ring key): the session key when given, else the hash of the block
     at the key depth, else (a prompt ending inside a shared prefix) the whole prompt's hash."""
     depth = branches.key_depth(hashes, max_key_blocks)
-    if session_key is not None:
-        return depth, "s:" + session_key
+    if session_key is not None:  # hashed: any length, any characters (a header may carry lone surrogates)
+        return depth, "s:" + xxhash.xxh3_64_hexdigest(session_key.encode("utf-8", "surrogatepass"))
     if depth <= len(hashes):
         return depth, f"b:{hashes[depth - 1]:016x}"
     return depth, f"p:{full_hash:016x}"

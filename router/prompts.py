@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .blocks import BlockHash, block_hashes, seed_hash
+from .blocks import BlockHash, block_hashes, seed_hash, text_block_hashes
 from .tokenizer import ChatFormatError, PromptTokenizer
 
 __all__ = ["PromptInfo", "analyze", "chat_tokens", "check_body"]
@@ -153,9 +153,8 @@ def analyze(body: dict, chat: bool, tokenizer: PromptTokenizer | None, block_siz
                                         hashes[-1] if hashes else seed)
         units, exact = len(tokens), True
     else:
-        codes = [ord(c) for c in text]
-        hashes = block_hashes(codes, char_block_size, seed)
+        hashes = text_block_hashes(text, char_block_size, seed)
         full = xxhash.xxh3_64_intdigest(text[len(hashes) * char_block_size:].encode("utf-8", "surrogatepass"),
                                         hashes[-1] if hashes else seed)
-        units, exact = len(codes), False
+        units, exact = len(text), False
     return PromptInfo(hashes, full, units, exact, message_hashes, conversation, opening)

@@ -22,6 +22,7 @@ In-flight slots are released in ``finally``, so errors and client disconnects fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -47,10 +48,13 @@ REPLICA_HEADER = "x-prefix-router-replica"
 # bytes queued for a client above which a stream write is timed (limits.client_write_timeout_s);
 # aiohttp pauses writing at 64 KiB, so below this the client is keeping up
 _CLIENT_BUFFER_BYTES = 64 * 1024
+_CLIENT_GONE = 499  # nginx's status for a client that closed the connection before the answer ended
 _NOT_RELAYED = {"content-length", "content-encoding", "transfer-encoding", "connection", "keep-alive",
                 "server", "date"}  # aiohttp sets its own
+# Not forwarded: hop-by-hop headers, and Content-Encoding, since aiohttp hands the handler the
+# decompressed body (a gzip header on a plain body made replicas answer 500)
 _HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
-               "proxy-authorization", "proxy-connection", "te", "trailer", "accept-encoding"}
+               "proxy-authorization", "proxy-connection", "te", "trailer", "accept-encoding", "content-encoding"}
 
 
 async def _read_raw(request: web.Request, limit: int) -> bytes | web.Response:
@@ -60,6 +64,9 @@ async def _read_raw(request: web.Request, limit: int) -> bytes | web.Response:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         return openai_error(413, f"request body exceeds the limit of {limit} bytes")
+    except (web.RequestPayloadError, aiohttp.http_exceptions.HttpProcessingError) as exc:
+        # e.g. Content-Encoding: gzip on a body that is not gzip
+        return openai_error(400, f"request body could not be read ({type(exc).__name__})", "body")
 
 
 def _parse(raw: bytes) -> dict | web.Response:
@@ -191,10 +198,15 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
     """Try the decision's candidates in order until one answers below 500 (retries bounded).
 
     A streaming attempt gets ``upstream.header_timeout_s`` for the replica's response headers.
-    Every attempt's outcome goes to the replica's circuit breaker (router/breaker.py).
+    Each attempt's outcome goes to the replica's circuit breaker (router/breaker.py), except
+    what says nothing of the replica: a client that left, and a 5xx that no replica got past.
+    A replica that answered 5xx is blamed only once another replica served the same request:
+    a request every replica refuses is the request's fault, so a client cannot open breakers
+    by sending requests that make replicas fail.
     """
     last_error = "no replica answered"
     header_timeout = gw.config.upstream.header_timeout_s if up.stream else None
+    answered_5xx = []  # replicas to blame if a later one serves the request
     for name in decision.candidates[: gw.config.upstream.max_retries + 1]:
         replica = gw.replicas.get(name)
         if replica is None or not replica.breaker.allows(time.monotonic()):
@@ -213,19 +225,26 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
         # burst of one prefix sees it; take back what this attempt added if it fails.
         added = replica.shadow.insert(info.hashes)
         t0 = time.perf_counter()
+        outcome: bool | None = None  # None: says nothing of the replica (cancelled, client gone, 5xx)
         try:
             upstream = await asyncio.wait_for(
                 gw.http.post(replica.url + up.path, data=up.payload, headers=up.headers), header_timeout)
             async with upstream:
                 if upstream.status < 500:
                     response, status = await _relay(request, gw, upstream, name, decision, info, up, t0)
-                    _breaker_record(gw, replica, status < 500)
+                    if status != _CLIENT_GONE:
+                        outcome = status != 502  # 502: the replica cut the stream
+                    if outcome:
+                        for earlier in answered_5xx:
+                            _breaker_record(gw, earlier, False)
                     return response
                 last_error = f"replica {name} answered {upstream.status}"
                 code = str(upstream.status)
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                answered_5xx.append(replica)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # client-side writes never raise here
             last_error = f"replica {name}: {type(exc).__name__}"
             code = "0"
+            outcome = False
             log.warning("upstream %s failed (%s); trying the next replica", name, type(exc).__name__)
         finally:
             if replica.scrape_epoch == epoch:
@@ -233,7 +252,10 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
             replica.inflight -= 1
             gw.metrics.inflight.labels(name).set(replica.inflight)
             gw.admission.notify()
-        _breaker_record(gw, replica, False)
+            if outcome is None:
+                replica.breaker.release_trial()  # a half-open breaker may try again
+            else:
+                _breaker_record(gw, replica, outcome)
         replica.shadow.forget(added)
         gw.metrics.requests.labels(name, decision.route.value, code).inc()
     return openai_error(502, last_error, type_="BadGatewayError")
@@ -277,10 +299,30 @@ async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: s
         response = web.Response(body=data, status=upstream.status, headers=headers)
     else:
         response = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        try:
+            await response.prepare(request)
+        except ConnectionError:  # the client left while the replica was answering
+            return response, _CLIENT_GONE
         transport = request.transport
         write_timeout = gw.config.limits.client_write_timeout_s
         skip_blank = False
+
+        async def send(data: bytes) -> bool:
+            """Write to the client; False when it left or read nothing for the write timeout."""
+            try:
+                if transport is not None and transport.get_write_buffer_size() > _CLIENT_BUFFER_BYTES:
+                    async with asyncio.timeout(write_timeout):  # not reading: wait, but not forever
+                        await response.write(data)
+                else:
+                    await response.write(data)
+                return True
+            except TimeoutError:
+                log.warning("client of a stream from %s read nothing for %g s; closing it", name, write_timeout)
+                transport.abort()  # leaving the upstream context closes it: the engine aborts
+            except ConnectionError:  # the client went away (aiohttp's ClientConnectionResetError)
+                pass
+            return False
+
         try:
             async for line in upstream.content:
                 if skip_blank and line in (b"\n", b"\r\n"):
@@ -296,25 +338,17 @@ async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: s
                         continue
                 elif ttft is None and line.startswith(b"data: {"):
                     ttft = time.perf_counter() - t0
-                if transport is not None and transport.get_write_buffer_size() > _CLIENT_BUFFER_BYTES:
-                    try:  # the client is not reading: wait for it, but not forever
-                        async with asyncio.timeout(write_timeout):
-                            await response.write(line)
-                    except TimeoutError:
-                        log.warning("client of a stream from %s read nothing for %g s; closing it", name, write_timeout)
-                        transport.abort()  # leaving the upstream context closes it: the engine aborts
-                        status = 499
-                        break
-                else:
-                    await response.write(line)
+                if not await send(line):
+                    status = _CLIENT_GONE
+                    break
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # Bytes already reached the client: no retry; end the stream with an error event.
             log.warning("stream from %s ended early: %s", name, type(exc).__name__)
             error = error_body(502, f"replica {name} stopped streaming ({type(exc).__name__})")
-            await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
-            status = 502
-        if status != 499:
-            await response.write_eof()
+            status = 502 if await send(b"data: " + json.dumps(error).encode() + b"\n\n") else _CLIENT_GONE
+        if status != _CLIENT_GONE:
+            with contextlib.suppress(ConnectionError):
+                await response.write_eof()
     _account(gw, name, decision, info, status, usage, ttft, time.perf_counter() - t0)
     return response, status
 

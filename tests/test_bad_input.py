@@ -3,6 +3,8 @@ that the gateway can already refuse. Generated input: tests/test_fuzz.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from router.proxy import REPLICA_HEADER
@@ -78,3 +80,59 @@ async def test_an_oversized_header_gets_a_400_and_the_gateway_keeps_serving(flee
     resp = await client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
                                                            "messages": [{"role": "user", "content": "hi"}]})
     assert resp.status == 200
+
+
+@pytest.mark.parametrize("where", ["model", "cache_salt", "user", "content", "session"])
+async def test_lone_surrogates_anywhere_get_an_answer_below_500(fleet, gateway, where):
+    # JSON may escape a lone surrogate ("\ud800"), which Python decodes into a str no strict
+    # UTF-8 encoder accepts; a header may carry bytes that are not UTF-8 at all
+    client = await gateway(await fleet(1))
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"Content-Type": "application/json"}
+    if where == "content":
+        body["messages"][0]["content"] = "hi \ud800 there"
+    elif where == "session":
+        headers["X-Session-ID"] = "s\udcff\udcfe"  # what aiohttp makes of the raw bytes \xff\xfe
+    else:
+        body[where] = "x\ud800"
+    raw = json.dumps(body).encode()
+    resp = await client.post("/v1/chat/completions", data=raw, headers=headers)
+    assert resp.status < 500, await resp.text()
+    if resp.status >= 400:
+        _error(resp.status, await resp.json())
+
+
+async def test_a_gzip_body_is_forwarded_decompressed_and_a_broken_one_gets_a_400(fleet, gateway, aiohttp_server):
+    import gzip
+
+    from .test_gateway_http import EchoReplica
+
+    echo = EchoReplica()
+    client = await gateway([await aiohttp_server(echo.app)])
+    raw = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    resp = await client.post("/v1/chat/completions", data=gzip.compress(raw),
+                             headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert resp.status == 200
+    (_, headers, forwarded), = echo.requests
+    assert "Content-Encoding" not in headers and json.loads(forwarded) == json.loads(raw)
+    resp = await client.post("/v1/chat/completions", data=raw,
+                             headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert resp.status == 400
+    _error(400, await resp.json())
+    assert len(echo.requests) == 1
+
+
+def test_routing_a_huge_prompt_without_a_tokenizer_takes_memory_in_proportion_to_its_text():
+    """Character blocks are hashed from UTF-32 windows, not a list of code points: 5 million
+    characters once took a list of 5 million ints and an array of as many 8-byte integers."""
+    import tracemalloc
+
+    from router.prompts import analyze
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "abcdefgh" * 625_000}]}
+    tracemalloc.start()
+    info = analyze(body, True, None, 16, 64, None)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(info.hashes) == info.num_units // 64 > 75_000
+    assert peak < 30 * 2**20, f"{peak / 2**20:.0f} MiB"  # the text itself is 5 MB; the chat text another 5

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ import time
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client import generate_latest
 
 from router.app import GATEWAY, create_app
 from router.breaker import BreakerState, CircuitBreaker
@@ -56,8 +59,9 @@ def test_a_max_cooldown_below_the_cooldown_is_refused():
 
 class FaultyReplica:
     """A replica stand-in whose faults a test switches on and off: ``mode`` is "ok" (answers
-    like a tiny vLLM), "error" (/health 200, generation 500) or "hang" (accepts connections,
-    never answers anything). Counts the generation requests it received."""
+    like a tiny vLLM), "error" (/health 200, generation 500), "slow" (answers after 5 s) or
+    "hang" (accepts connections, never answers anything). Counts the generation requests it
+    received."""
 
     def __init__(self) -> None:
         self.mode = "ok"
@@ -89,6 +93,8 @@ class FaultyReplica:
         await self._hang_if_asked()
         if self.mode == "error":
             return web.json_response({"error": {"message": "engine dead", "code": 500}}, status=500)
+        if self.mode == "slow":
+            await asyncio.sleep(5)
         usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6,
                  "prompt_tokens_details": {"cached_tokens": 0}}
         return web.json_response({"id": "x", "object": "chat.completion", "model": MODEL, "usage": usage,
@@ -303,7 +309,7 @@ async def test_a_client_that_stops_reading_a_stream_is_cut_off_and_the_replica_s
     """A raw socket with a small receive buffer asks for a long stream and never reads it: the
     gateway's writes back up, and after ``client_write_timeout_s`` it drops the client and the
     upstream request, instead of holding both (and the replica's KV blocks) forever."""
-    import socket
+
 
     (sim,) = await fleet(1, time_scale=1000.0)
     config = config_from_dict({"replicas": [str(sim.make_url("")).rstrip("/")],
@@ -325,3 +331,84 @@ async def test_a_client_that_stops_reading_a_stream_is_cut_off_and_the_replica_s
         await wait_until(lambda: replica.running == 0, 5)  # the replica stopped generating (scraped)
     finally:
         sock.close()
+
+
+async def test_a_request_every_replica_refuses_with_500_opens_no_breaker(aiohttp_server, aiohttp_client):
+    """A client whose requests make every replica fail (a poison request) gets 502s, and the
+    replicas stay in service: a 5xx is blamed on a replica only when another served the request."""
+    faulty = [FaultyReplica() for _ in range(2)]
+    servers = [await aiohttp_server(f.app) for f in faulty]
+    config = config_from_dict({"replicas": [str(s.make_url("")).rstrip("/") for s in servers],
+                               "breaker": {"failures": 2}, "upstream": {"max_retries": 1}})
+    client = await aiohttp_client(create_app(config, ByteTokenizer()))
+    gw = client.app[GATEWAY]
+    for f in faulty:
+        f.mode = "error"
+    results = [await _send(client, i) for i in range(10)]
+    assert [status for status, _, _ in results] == [502] * 10
+    assert sum(f.posts for f in faulty) == 20  # every request tried on both
+    assert all(r.breaker.opened_at is None and r.routable for r in gw.replicas.values())
+
+
+@pytest.mark.parametrize("handler_cancellation", [True, False])
+async def test_clients_that_disconnect_mid_stream_are_not_blamed_on_the_replica_nor_retried(fleet,
+                                                                                           handler_cancellation):
+    """Clients reset their connections after the first chunk. Whether the event loop cancels the
+    handler first or the gateway's next write to the client fails first (the two orders race in
+    production; ``handler_cancellation`` picks one), the replica is not blamed and the request
+    is not sent again."""
+    (sim,) = await fleet(1, time_scale=5.0)  # a 200-token stream lasts about 0.25 s
+    config = config_from_dict({"replicas": [str(sim.make_url("")).rstrip("/")], "breaker": {"failures": 2}})
+    app = create_app(config, ByteTokenizer())
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    (replica,) = app[GATEWAY].replicas.values()
+    try:
+        for i in range(8):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = json.dumps(_chat_body(i, stream=True, max_tokens=200)).encode()
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            while not (await reader.readline()).startswith(b"data: "):
+                pass
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.close()
+        await wait_until(lambda: replica.inflight == 0, 5)
+        page = generate_latest(app[GATEWAY].metrics.registry).decode()
+        assert replica.breaker.failures == 0 and replica.breaker.opened_at is None
+        assert 'code="0"' not in page and 'code="502"' not in page  # not blamed, not retried
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_trial_request_whose_client_leaves_frees_the_half_open_breaker_for_another(aiohttp_server, fleet,
+                                                                                          aiohttp_client):
+    faulty = FaultyReplica()
+    bad_server = await aiohttp_server(faulty.app)
+    (good,) = await fleet(1)
+    bad = str(bad_server.make_url("")).rstrip("/")
+    config = config_from_dict({"replicas": [bad, str(good.make_url("")).rstrip("/")],
+                               "breaker": {"failures": 2, "cooldown_s": 0.3}, "health": {"interval_s": 0.2}})
+    # as prefix-router serve runs it: a client that leaves cancels its handler
+    client = await aiohttp_client(create_app(config, ByteTokenizer()), server_kwargs={"handler_cancellation": True})
+    breaker = client.app[GATEWAY].replicas[bad.split("//")[1]].breaker
+    faulty.mode = "error"
+    i = 0
+    while breaker.opened_at is None:
+        await _send(client, i)
+        i += 1
+    await asyncio.sleep(0.35)  # half-open
+    faulty.mode = "slow"
+    posts = faulty.posts
+    while faulty.posts == posts and i < 200:  # until a request is the trial; each client leaves after 0.2 s
+        try:
+            await asyncio.wait_for(_send(client, i), 0.2)
+        except asyncio.TimeoutError:
+            pass
+        i += 1
+    assert faulty.posts == posts + 1, "no trial reached the replica: no test"
+    await wait_until(lambda: not breaker.trial_inflight, 2)
+    assert breaker.allows(time.monotonic())  # another trial may go

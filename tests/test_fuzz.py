@@ -24,8 +24,11 @@ from .helpers import MODEL
 ROOT = Path(__file__).resolve().parents[1]
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
+# text with lone surrogates too: JSON may escape them ("\ud800") and Python decodes them
+any_text = st.text(st.characters(exclude_categories=()) | st.sampled_from(["\ud800", "\udfff", "\x00", "\ufeff"]),
+                   max_size=40)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=40),
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | any_text,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
     max_leaves=12)
 contents = st.text(max_size=200) | st.lists(st.fixed_dictionaries(
@@ -36,15 +39,15 @@ messages = st.lists(st.fixed_dictionaries(
     optional={"content": contents, "tool_calls": json_values, "name": json_values, "tool_call_id": json_values}),
     max_size=5)
 bodies = st.fixed_dictionaries({}, optional={
-    "model": st.just(MODEL) | json_values,
+    "model": st.just(MODEL) | any_text | json_values,
     "messages": messages | json_values,
     "prompt": st.text(max_size=200) | st.lists(st.integers(-10, 70_000), max_size=50) | json_values,
     "max_tokens": st.integers(-5, 40) | json_values,
     "stream": st.booleans() | json_values,
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | json_values}) | json_values,
     "tools": json_values,
-    "cache_salt": st.text(max_size=20) | json_values,
-    "user": st.text(max_size=20) | json_values,
+    "cache_salt": any_text | json_values,
+    "user": any_text | json_values,
 })
 paths = st.sampled_from(["/v1/chat/completions", "/v1/completions"])
 # header names and values a client can put on the wire (http.client refuses CR/LF itself)

@@ -142,6 +142,9 @@ def test_keys_can_come_from_the_environment_and_bad_key_sets_are_refused(monkeyp
         ({"tenants": [{"name": "a", "keys": ["sk-aaaa-key"]}, {"name": "a", "keys": ["sk-bbbb-key"]}]}, "twice"),
         ({"tenants": [{"name": "a", "keys": ["sk-aaaa-key"]}], "admin_keys": ["sk-aaaa-key"]}, "admin"),
         ({"client_salt": "merge"}, "client_salt"),
+        ({"tenants": [{"name": "a/b", "keys": ["sk-aaaa-key"]}]}, "name"),  # would collide with a nested salt
+        ({"tenants": [{"name": "a:b", "keys": ["sk-aaaa-key"]}]}, "name"),  # would collide with a session scope
+        ({"tenants": [{"name": "a", "keys": ["sk-aaaa-key"], "cache_salt": "x/y"}]}, "cache_salt"),
     ]
     for auth, message in bad:
         with pytest.raises(ConfigError, match=message):
