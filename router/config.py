@@ -399,7 +399,7 @@ _CHECKS: dict[tuple[type, str], _Check] = {
     (AdmissionConfig, "saturated_depth"): _NON_NEGATIVE,
     (AdmissionConfig, "max_queue"): _NON_NEGATIVE,
     (AdmissionConfig, "timeout_s"): _TIME,
-    (GatewayConfig, "drain_s"): _NON_NEGATIVE,
+    (GatewayConfig, "drain_s"): _TIME,  # aiohttp reads 0 as "wait forever"
     (TenantConfig, "name"): _tenant_name,
     (TenantConfig, "keys"): _secrets,
     (TenantConfig, "cache_salt"): _salt,

@@ -110,6 +110,9 @@ def test_the_wiring_between_manifests_holds():
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     assert docs[("Deployment", "prefix-router")]["spec"]["replicas"] >= 2
+    # SIGTERM after preStop's sleep, then drain_s for streams: all within the grace period
+    pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pre_stop + config.drain_s < gateway["spec"]["terminationGracePeriodSeconds"]
     monitor = docs[("ServiceMonitor", "prefix-router")]["spec"]
     assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
 
