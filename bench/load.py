@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write results.json here")
     args = parser.parse_args(argv)
     result = run(args.connections, args.replicas, args.ramp_per_s, args.tokens)
+    result["command"] = "python -m bench.load " + " ".join(argv if argv is not None else sys.argv[1:])
     print(report(result))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
