@@ -107,6 +107,14 @@ def _chat_body(i: int, stream: bool = False, max_tokens: int = 4) -> dict:
             "messages": [{"role": "user", "content": f"question {i} about a subject of its own"}]}
 
 
+async def _faulty_and_good(aiohttp_server, fleet) -> tuple[FaultyReplica, str, str]:
+    """A FaultyReplica and a simulated replica; returns it and both base URLs (faulty first)."""
+    faulty = FaultyReplica()
+    bad_server = await aiohttp_server(faulty.app)
+    (good,) = await fleet(1)
+    return faulty, str(bad_server.make_url("")).rstrip("/"), str(good.make_url("")).rstrip("/")
+
+
 async def _send(client, i: int, stream: bool = False) -> tuple[int, str | None, str]:
     resp = await client.post("/v1/chat/completions", json=_chat_body(i, stream))
     return resp.status, resp.headers.get(REPLICA_HEADER), await resp.text()
@@ -115,11 +123,8 @@ async def _send(client, i: int, stream: bool = False) -> tuple[int, str | None, 
 async def test_a_replica_answering_500s_opens_its_breaker_and_closes_it_once_it_recovers(fleet, aiohttp_server,
                                                                                        aiohttp_client):
     # Its /health keeps answering 200, so only the breaker can keep requests off it.
-    faulty = FaultyReplica()
-    bad_server = await aiohttp_server(faulty.app)
-    (good,) = await fleet(1)
-    bad = str(bad_server.make_url("")).rstrip("/")
-    config = config_from_dict({"replicas": [bad, str(good.make_url("")).rstrip("/")],
+    faulty, bad, good = await _faulty_and_good(aiohttp_server, fleet)
+    config = config_from_dict({"replicas": [bad, good],
                                "breaker": {"failures": 3, "cooldown_s": 0.5, "max_cooldown_s": 1.0},
                                "health": {"interval_s": 0.2}})
     client = await aiohttp_client(create_app(config, ByteTokenizer()))
@@ -151,11 +156,8 @@ async def test_a_replica_answering_500s_opens_its_breaker_and_closes_it_once_it_
 
 async def test_a_replica_that_accepts_connections_but_never_answers_is_timed_out_ejected_and_readmitted(
         fleet, aiohttp_server, aiohttp_client):
-    faulty = FaultyReplica()
-    hung_server = await aiohttp_server(faulty.app)
-    (good,) = await fleet(1)
-    hung = str(hung_server.make_url("")).rstrip("/")
-    config = config_from_dict({"replicas": [hung, str(good.make_url("")).rstrip("/")],
+    faulty, hung, good = await _faulty_and_good(aiohttp_server, fleet)
+    config = config_from_dict({"replicas": [hung, good],
                                "upstream": {"header_timeout_s": 0.5}, "breaker": {"cooldown_s": 0.5},
                                "health": {"interval_s": 0.2, "timeout_s": 0.2, "unhealthy_after": 1}})
     client = await aiohttp_client(create_app(config, ByteTokenizer()))
@@ -386,11 +388,8 @@ async def test_clients_that_disconnect_mid_stream_are_not_blamed_on_the_replica_
 
 async def test_a_trial_request_whose_client_leaves_frees_the_half_open_breaker_for_another(aiohttp_server, fleet,
                                                                                           aiohttp_client):
-    faulty = FaultyReplica()
-    bad_server = await aiohttp_server(faulty.app)
-    (good,) = await fleet(1)
-    bad = str(bad_server.make_url("")).rstrip("/")
-    config = config_from_dict({"replicas": [bad, str(good.make_url("")).rstrip("/")],
+    faulty, bad, good = await _faulty_and_good(aiohttp_server, fleet)
+    config = config_from_dict({"replicas": [bad, good],
                                "breaker": {"failures": 2, "cooldown_s": 0.3}, "health": {"interval_s": 0.2}})
     # as prefix-router serve runs it: a client that leaves cancels its handler
     client = await aiohttp_client(create_app(config, ByteTokenizer()), server_kwargs={"handler_cancellation": True})
