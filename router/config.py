@@ -270,7 +270,12 @@ class GatewayConfig:
 # --- value checks ------------------------------------------------------------------------
 
 class _Reject(Exception):
-    """Raised by a check with the expectation, e.g. 'a value >= 1'."""
+    """Raised by a check with the expectation, e.g. 'a value >= 1'. ``secret``: the value is a
+    key, so the error does not show it."""
+
+    def __init__(self, expected: str, *, secret: bool = False) -> None:
+        super().__init__(expected)
+        self.secret = secret
 
 
 _Check = Callable[[Any], Any]  # takes a value of the right type, returns it (maybe normalised)
@@ -341,7 +346,7 @@ def _secret(value: str) -> str:
             raise _Reject(f"environment variable {name} to be set (the key is read from it)")
         value = os.environ[name]
     if len(value) < 8 or value != value.strip():
-        raise _Reject("a key of at least 8 characters without surrounding spaces")
+        raise _Reject("a key of at least 8 characters without surrounding spaces", secret=True)
     return value
 
 
@@ -524,7 +529,8 @@ def _build(cls: type, data: Mapping[Any, Any], path: str) -> Any:
             try:
                 value = check(value)
             except _Reject as exc:
-                raise ConfigError(f"{key_path}: expected {exc}, got {_show(value)}") from None
+                got = "a key that is not shown" if exc.secret else _show(value)
+                raise ConfigError(f"{key_path}: expected {exc}, got {got}") from None
         values[f.name] = value
     return cls(**values)
 

@@ -245,7 +245,7 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
             last_error = f"replica {name}: {type(exc).__name__}"
             code = "0"
             outcome = False
-            log.warning("upstream %s failed (%s); trying the next replica", name, type(exc).__name__)
+            log.warning("upstream %s failed (%s)", name, type(exc).__name__)
         finally:
             if replica.scrape_epoch == epoch:
                 replica.sent_since_scrape = max(replica.sent_since_scrape - 1, 0)

@@ -149,3 +149,11 @@ def test_keys_can_come_from_the_environment_and_bad_key_sets_are_refused(monkeyp
     for auth, message in bad:
         with pytest.raises(ConfigError, match=message):
             config_from_dict({"auth": auth})
+
+
+def test_a_refused_key_is_not_echoed_in_the_error(monkeypatch):
+    monkeypatch.setenv("SHORT_KEY", "sk-7chr")
+    for key in ("sk-7chr", "env:SHORT_KEY", " sk-spaced-key "):
+        with pytest.raises(ConfigError, match="at least 8") as caught:
+            config_from_dict({"auth": {"tenants": [{"name": "a", "keys": [key]}]}})
+        assert "sk-" not in str(caught.value)
