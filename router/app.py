@@ -3,7 +3,8 @@
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (routed and proxied),
 ``GET /v1/models`` (from the first healthy replica), ``GET /health`` (liveness), ``GET /ready``
 (200 when at least one replica is on the ring, else 503), ``GET /metrics``, ``GET /replicas``
-(an admin key once any key is configured: ``tenants.py``). Errors are OpenAI-style JSON,
+and ``GET /debug/changes?top=N`` (why clients changed their prefixes: ``changes.py``); those two
+need an admin key once any key is configured (``tenants.py``). Errors are OpenAI-style JSON,
 aiohttp's own 404 and 405 included.
 """
 
@@ -142,5 +143,14 @@ def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None) 
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    async def changes(request: web.Request) -> web.Response:
+        if not gw.tenants.is_admin(request):
+            return _forbidden(request)
+        top = request.query.get("top", "20")
+        if not top.isdigit() or not 1 <= int(top) <= gw.changes.max_sites:
+            return openai_error(400, f"'top' must be an integer from 1 to {gw.changes.max_sites}", "top")
+        return web.json_response(gw.changes.view(int(top)))
+
     app.router.add_get("/replicas", replicas)
+    app.router.add_get("/debug/changes", changes)
     return app

@@ -26,12 +26,13 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Sequence
+import sys
+from array import array
 from dataclasses import dataclass
 
 import xxhash
 
-__all__ = ["Cause", "FIXES", "MessagePrint", "RequestPrint", "Change", "fingerprint", "diagnose"]
+__all__ = ["Cause", "FIXES", "VOLATILE", "MessagePrint", "RequestPrint", "Change", "digest", "fingerprint", "diagnose"]
 
 
 class Cause(str, enum.Enum):
@@ -56,7 +57,7 @@ FIXES = {
 
 # Spans that change between requests without changing meaning. Order matters: UUIDs and ISO
 # timestamps before the bare numbers inside them.
-_VOLATILE = re.compile(
+VOLATILE = re.compile(
     r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"  # UUID
     r"|\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?"  # ISO date/time
     r"|\d{1,2}:\d{2}(?::\d{2})?(?:\s?[AaPp][Mm])?"  # clock time
@@ -85,23 +86,46 @@ def _canonical(text: str) -> str | None:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
+def digest(value) -> int:
+    """A stable 64-bit hash of one message (or the tool list): a plain ``{role, content}`` message
+    hashes its text as it is, anything else its JSON, so long messages are not re-serialised.
+    The gateway's per-message hashes (``prompts.PromptInfo.message_hashes``) are these."""
+    if isinstance(value, dict) and isinstance(value.get("content"), str) and len(value) == 2 and "role" in value:
+        return xxhash.xxh3_64_intdigest(value["content"].encode("utf-8", "surrogatepass"),
+                                        xxhash.xxh3_64_intdigest(str(value["role"]).encode("utf-8", "surrogatepass")))
+    return xxhash.xxh3_64_intdigest(json.dumps(value, separators=(",", ":"), default=str).encode("utf-8", "surrogatepass"))
+
+
 @dataclass(frozen=True, slots=True)
 class MessagePrint:
     """One message: its role and three hashes of its content and tool calls."""
 
     role: str
-    raw: int  # as sent
+    raw: int  # ``digest`` of the message as sent
     masked: int  # dates, times, ids and numbers replaced by one placeholder
     canonical: int  # JSON (content, tool-call arguments) with sorted keys and float numbers
 
 
 @dataclass(frozen=True, slots=True)
 class RequestPrint:
-    """A request's tool list (names and one hash each, in order) and messages."""
+    """A request's tool list (names and one hash each, in order) and its messages' hashes.
+
+    Kept per conversation by the gateway, so compact: three ``array("Q")`` of one hash per
+    message and a tuple of interned roles, about 32 bytes a message.
+    """
 
     tool_names: tuple[str, ...]
     tool_hashes: tuple[int, ...]
-    messages: tuple[MessagePrint, ...]
+    roles: tuple[str, ...]
+    raw: array
+    masked: array
+    canonical: array
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def message(self, i: int) -> MessagePrint:
+        return MessagePrint(self.roles[i], self.raw[i], self.masked[i], self.canonical[i])
 
 
 def _canonical_calls(calls) -> str:
@@ -117,26 +141,47 @@ def _canonical_calls(calls) -> str:
     return json.dumps(out, sort_keys=True, default=str)
 
 
-def _message_print(message) -> MessagePrint:
-    role = str(message.get("role")) if isinstance(message, dict) else "?"
-    content = _text(message.get("content") if isinstance(message, dict) else message)
-    calls = message.get("tool_calls") if isinstance(message, dict) else None
+def _masked_and_canonical(role: str, message) -> tuple[int, int]:
+    if not isinstance(message, dict):
+        text = _text(message)
+        return _hash(role + "\x00" + VOLATILE.sub("#", text)), _hash(role + "\x00" + (_canonical(text) or text))
+    content = message.get("content")
+    if isinstance(content, list) and content and all(isinstance(t, int) for t in content[:8]):
+        h = digest(message)  # a token-id prompt: no text to mask
+        return h, h
+    content = _text(content)
+    calls = message.get("tool_calls")
     raw = content + ("\x00" + _text(calls) if calls else "")
     canonical = (_canonical(content) or content) + ("\x00" + _canonical_calls(calls) if calls else "")
-    return MessagePrint(role, _hash(role + "\x00" + raw), _hash(role + "\x00" + _VOLATILE.sub("#", raw)),
-                        _hash(role + "\x00" + canonical))
+    return _hash(role + "\x00" + VOLATILE.sub("#", raw)), _hash(role + "\x00" + canonical)
 
 
-def fingerprint(body: dict) -> RequestPrint:
-    """The fingerprint of a chat request body (a completion's ``prompt`` counts as one message)."""
+def fingerprint(body: dict, previous: RequestPrint | None = None) -> RequestPrint:
+    """The fingerprint of a chat request body (a completion's ``prompt`` counts as one message).
+
+    With ``previous`` (the conversation's last print), messages it already had (same ``digest``)
+    reuse its masked and canonical hashes, so a turn costs the regular-expression and JSON work
+    of its new messages only.
+    """
     tools = body.get("tools") if isinstance(body.get("tools"), list) else []
     names = tuple(str(((t.get("function") or {}).get("name") if isinstance(t, dict) else None) or "?")[:64]
                   for t in tools)
-    hashes = tuple(_hash(json.dumps(t, sort_keys=True, default=str)) for t in tools)
+    tool_hashes = tuple(_hash(json.dumps(t, sort_keys=True, default=str)) for t in tools)
     messages = body.get("messages")
     if not isinstance(messages, list):
         messages = [{"role": "prompt", "content": body.get("prompt")}]
-    return RequestPrint(names, hashes, tuple(_message_print(m) for m in messages))
+    known = {} if previous is None else {
+        h: (m, c) for h, m, c in zip(previous.raw, previous.masked, previous.canonical)}
+    roles, raw, masked, canonical = [], array("Q"), array("Q"), array("Q")
+    for message in messages:
+        role = sys.intern(str(message.get("role"))[:32] if isinstance(message, dict) else "?")
+        h = digest(message)
+        m, c = known.get(h) or _masked_and_canonical(role, message)
+        roles.append(role)
+        raw.append(h)
+        masked.append(m)
+        canonical.append(c)
+    return RequestPrint(names, tool_hashes, tuple(roles), raw, masked, canonical)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,8 +212,8 @@ def _tools_change(prev: RequestPrint, new: RequestPrint) -> Change | None:
     return Change(Cause.TOOLS_CHANGED, -1, "tools", detail)
 
 
-def _index(prints: Sequence[MessagePrint], raw: int, start: int) -> int | None:
-    return next((j for j in range(start, len(prints)) if prints[j].raw == raw), None)
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def diagnose(prev: RequestPrint, new: RequestPrint) -> Change | None:
@@ -177,27 +222,29 @@ def diagnose(prev: RequestPrint, new: RequestPrint) -> Change | None:
     tools = _tools_change(prev, new)
     if tools is not None:
         return tools
-    p, n = prev.messages, new.messages
-    i = next((k for k in range(min(len(p), len(n))) if p[k].raw != n[k].raw), None)
+    p, n = prev.raw, new.raw
+    i = next((k for k in range(min(len(p), len(n))) if p[k] != n[k]), None)
     if i is None:
         if len(n) >= len(p):
             return None
-        return Change(Cause.HISTORY_REWRITTEN, len(n), p[len(n)].role,
-                      f"the last {len(p) - len(n)} messages were removed")
-    old, now = p[i], n[i]
+        return Change(Cause.HISTORY_REWRITTEN, len(n), prev.roles[len(n)],
+                      f"the last {_count(len(p) - len(n), 'message')} removed")
+    old, now = prev.message(i), new.message(i)
     if old.masked == now.masked:
         return Change(Cause.VOLATILE_VALUE, i, old.role, "only dates, times, ids or numbers changed")
     if old.canonical == now.canonical:
         return Change(Cause.KEY_ORDER, i, old.role, "the same JSON with another key order or number format")
-    later = _index(n, old.raw, i + 1)
-    if later is not None:
-        return Change(Cause.INSERTED_BEFORE_HISTORY, i, old.role, f"{later - i} messages inserted before it")
+    where: dict[int, int] = {}  # message hash -> its first index in ``new`` from i on
+    for j in range(len(n) - 1, i - 1, -1):
+        where[n[j]] = j
+    if where.get(old.raw, i) > i:
+        return Change(Cause.INSERTED_BEFORE_HISTORY, i, old.role, _count(where[old.raw] - i, "message") + " inserted before it")
     # the previous request's message i is gone or changed; is the rest of its history still there?
-    kept = [k for k in range(i + 1, len(p)) if _index(n, p[k].raw, i) is not None]
+    kept = [k for k in range(i + 1, len(p)) if p[k] in where]
     if kept:
-        removed = sum(1 for k in range(i, kept[0]) if _index(n, p[k].raw, i) is None)
+        removed = sum(1 for k in range(i, kept[0]) if p[k] not in where)
         return Change(Cause.HISTORY_REWRITTEN, i, old.role,
-                      f"{removed} earlier messages edited, removed or summarised; {len(kept)} later ones kept")
+                      f"{_count(removed, 'earlier message')} edited, removed or summarised; {len(kept)} later kept")
     if i + 1 >= len(p) and old.role == now.role and i > 0:
         return Change(Cause.HISTORY_REWRITTEN, i, old.role, "the last message sent was edited")
     return Change(Cause.OTHER, i, old.role, "the text differs and none of the later history is kept")

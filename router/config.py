@@ -42,7 +42,7 @@ import yaml
 
 __all__ = ["POLICIES", "ConfigError", "ReplicaConfig", "RoutingConfig", "IndexConfig",
            "HealthConfig", "ScrapeConfig", "UpstreamConfig", "LimitsConfig", "DiscoveryConfig", "BreakerConfig",
-           "AdmissionConfig", "TenantConfig", "AuthConfig", "GatewayConfig",
+           "AdmissionConfig", "ChangesConfig", "TenantConfig", "AuthConfig", "GatewayConfig",
            "load_config", "config_from_dict"]
 
 POLICIES = ("prefix-affinity", "round-robin", "least-loaded")
@@ -209,6 +209,19 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ChangesConfig:
+    """Why clients changed their prefixes (router/changes.py, ``GET /debug/changes``)."""
+
+    # distinct divergence sites (cause, message index, role, token position) kept; later new
+    # sites are counted by cause only. 1,000 sites take about 300 KB
+    max_sites: int = 1000
+    # keep a redacted excerpt of the changed message per site (dates, times, ids, numbers,
+    # e-mail addresses and key-like strings masked). Prompt text: off unless an operator opts in
+    snippets: bool = False
+    snippet_chars: int = 160  # an excerpt's length at most, in characters
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TenantConfig:
     """One tenant: the API keys that act for it and the cache salt its requests get."""
 
@@ -252,6 +265,10 @@ class GatewayConfig:
     # JSONL file with one line per request (replica, route, predicted and reported cached
     # tokens, miss kind; no prompt text): router/requestlog.py. None: off
     request_log: str | None = None
+    # also write each request's body (prompt text: an operator's explicit choice) and path to
+    # the request log, so ``prefix-router audit`` and ``gate`` can read it
+    request_log_bodies: bool = False
+    changes: ChangesConfig = ChangesConfig()
     routing: RoutingConfig = RoutingConfig()  # instances are frozen, so sharing one is safe
     index: IndexConfig = IndexConfig()
     health: HealthConfig = HealthConfig()
@@ -412,6 +429,8 @@ _CHECKS: dict[tuple[type, str], _Check] = {
     (AuthConfig, "client_salt"): _one_of("override", "nest"),
     (AuthConfig, "upstream_api_key"): _secret,
     (LimitsConfig, "max_body_bytes"): _POSITIVE,
+    (ChangesConfig, "max_sites"): _POSITIVE,
+    (ChangesConfig, "snippet_chars"): _bounded(16, 4096),
     (LimitsConfig, "client_write_timeout_s"): _TIME,
     (DiscoveryConfig, "dns"): _dns_name,
     (DiscoveryConfig, "port"): _bounded(1, 65535),

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .blocks import BlockHash
+from .causes import RequestPrint
 
 __all__ = ["CacheResult", "Conversation", "Conversations", "Verdict", "classify"]
 
@@ -50,10 +51,12 @@ class Conversation:
 
     hashes: array  # "Q": the block hashes
     message_hashes: array  # "Q": the tool list's hash, then one per message
+    print: RequestPrint | None = None  # for causes.diagnose: about 32 bytes a message more
 
     @classmethod
-    def of(cls, hashes: Sequence[BlockHash], message_hashes: Sequence[int]) -> Conversation:
-        return cls(array("Q", hashes), array("Q", message_hashes))
+    def of(cls, hashes: Sequence[BlockHash], message_hashes: Sequence[int],
+           print_: RequestPrint | None = None) -> Conversation:
+        return cls(array("Q", hashes), array("Q", message_hashes), print_)
 
 
 @dataclass(slots=True)

@@ -12,7 +12,6 @@ histories only from the requests it sees.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
@@ -21,8 +20,10 @@ import aiohttp
 
 from .admission import Admission
 from .breaker import CircuitBreaker
+from .causes import Change
+from .changes import ChangeSites
 from .config import GatewayConfig, ReplicaConfig
-from .conversations import Conversations, Verdict
+from .conversations import Conversations
 from .index import BranchStats
 from .metrics import GatewayMetrics
 from .policy import make_policy
@@ -36,7 +37,6 @@ from .tokenizer import PromptTokenizer
 __all__ = ["Gateway", "replica_name"]
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size on GPU, when no replica reports one
-MAX_CHANGE_SITES = 1000  # bound of the divergence-site counter (message index, token position)
 
 
 def replica_name(url: str) -> str:
@@ -61,7 +61,7 @@ class Gateway:
         for rc in config.replicas:
             self.add_replica(rc)
         self.sync_ring()  # every replica starts healthy, so on the ring
-        self.change_sites: Counter[tuple[int, int]] = Counter()
+        self.changes = ChangeSites(config.changes.max_sites)
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.http: aiohttp.ClientSession | None = None
         self.request_log = RequestLog(config.request_log) if config.request_log else None
@@ -160,11 +160,11 @@ class Gateway:
             if capacity and replica.shadow.capacity != capacity:
                 replica.shadow.resize(capacity)
 
-    def record_change(self, verdict: Verdict, token_position: int) -> None:
-        """Count where a client changed its prefix (message index, token position); bounded."""
-        site = (verdict.diverged_message if verdict.diverged_message is not None else -2, token_position)
-        if site in self.change_sites or len(self.change_sites) < MAX_CHANGE_SITES:
-            self.change_sites[site] += 1
+    def record_change(self, change: Change, token_position: int, lost_tokens: int, excerpt: str | None) -> None:
+        """Count a client's prefix change: its cause's metrics and its site (bounded)."""
+        self.metrics.changed.labels(change.cause.value).inc()
+        self.metrics.changed_lost_tokens.labels(change.cause.value).inc(lost_tokens)
+        self.changes.record(change, token_position, lost_tokens, excerpt)
 
     def describe(self) -> dict:
         """The ``/replicas`` view."""
@@ -184,8 +184,9 @@ class Gateway:
                 "ring_share": round(shares.get(r.name, 0.0), 4), "shadow_blocks": len(r.shadow),
                 "models": r.models,
             } for r in self.replicas.values()],
-            "change_sites": [{"message_index": m, "token_position": t, "count": c}
-                             for (m, t), c in self.change_sites.most_common(10)],
+            "change_sites": [{"cause": s.cause.value, "message_index": s.message_index,
+                              "token_position": s.token_position, "count": s.count}
+                             for s in sorted(self.changes.sites.values(), key=lambda s: -s.count)[:10]],
             "branch_blocks": len(self.branches),
             "conversations": len(self.conversations),
         }

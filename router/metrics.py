@@ -11,6 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from .causes import Cause
+
 __all__ = ["GatewayMetrics", "METRIC_NAMES", "sample_sum"]
 
 # Seconds; TTFT and request buckets follow vLLM's so the two sides line up on a dashboard.
@@ -41,6 +43,16 @@ class GatewayMetrics:
         self.lost_tokens = Counter("prefix_router_lost_tokens",
                                    "Prompt tokens recomputed that could have been reused, by cause.",
                                    ("replica", "cause"), registry=r)
+        self.changed = Counter("prefix_router_changed",
+                               "Requests whose client changed text it had sent before (miss_changed), by cause: "
+                               "volatile_value, tools_changed, key_order, history_rewritten, "
+                               "inserted_before_history, other.", ("cause",), registry=r)
+        self.changed_lost_tokens = Counter("prefix_router_changed_lost_tokens",
+                                           "Prompt tokens recomputed because a client changed its prefix, by cause.",
+                                           ("cause",), registry=r)
+        for cause in Cause:
+            self.changed.labels(cause.value)
+            self.changed_lost_tokens.labels(cause.value)
         self.spillovers = Counter("prefix_router_spillovers", "Requests moved off their ring replica by load.",
                                   ("from_replica", "to_replica"), registry=r)
         self.queue_depth = Gauge("prefix_router_replica_queue_depth",
@@ -94,7 +106,8 @@ class GatewayMetrics:
 METRIC_NAMES = (
     "prefix_router_requests_total", "prefix_router_cache_requests_total", "prefix_router_prompt_tokens_total",
     "prefix_router_cached_tokens_predicted_total", "prefix_router_cached_tokens_total",
-    "prefix_router_lost_tokens_total", "prefix_router_spillovers_total", "prefix_router_replica_queue_depth",
+    "prefix_router_lost_tokens_total", "prefix_router_changed_total", "prefix_router_changed_lost_tokens_total",
+    "prefix_router_spillovers_total", "prefix_router_replica_queue_depth",
     "prefix_router_replica_inflight", "prefix_router_replica_healthy", "prefix_router_replica_breaker_state",
     "prefix_router_admission_waiting", "prefix_router_admission_rejected_total", "prefix_router_routing_seconds",
     "prefix_router_ttft_seconds", "prefix_router_request_seconds",

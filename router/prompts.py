@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import xxhash
 
 from .blocks import BlockHash, block_hashes, seed_hash, text_block_hashes
+from .causes import RequestPrint, digest
 from .tokenizer import ChatFormatError, PromptTokenizer
 
 __all__ = ["PromptInfo", "analyze", "chat_tokens", "check_body"]
@@ -36,15 +37,9 @@ class PromptInfo:
     # through the first user message), the same on every turn and in every gateway instance;
     # None for completions and for chats without a user message.
     opening: str | None = None
-
-
-def _digest(value) -> int:
-    """A stable hash of one message (or the tool list): text content hashed as it is, anything
-    else through JSON, so long messages are not re-serialised."""
-    if isinstance(value, dict) and isinstance(value.get("content"), str) and len(value) == 2 and "role" in value:
-        return xxhash.xxh3_64_intdigest(value["content"].encode("utf-8", "surrogatepass"),
-                                        xxhash.xxh3_64_intdigest(str(value["role"]).encode("utf-8", "surrogatepass")))
-    return xxhash.xxh3_64_intdigest(json.dumps(value, separators=(",", ":"), default=str).encode("utf-8", "surrogatepass"))
+    # The fingerprint ``causes.diagnose`` compares with the conversation's previous request;
+    # set by the proxy for requests that belong to a conversation.
+    print: RequestPrint | None = None
 
 
 def check_body(body: dict, chat: bool) -> tuple[str, str] | None:
@@ -127,12 +122,12 @@ def analyze(body: dict, chat: bool, tokenizer: PromptTokenizer | None, block_siz
     if chat:
         messages = body.get("messages")
         messages = messages if isinstance(messages, list) else []
-        message_hashes = (_digest(body.get("tools")), *(_digest(m) for m in messages))
+        message_hashes = (digest(body.get("tools")), *(digest(m) for m in messages))
         first = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), None)
         first_user = messages[first] if first is not None else None
-        conversation = session_key or f"u:{_digest([model, salt, first_user])}"
+        conversation = session_key or f"u:{digest([model, salt, first_user])}"
         if first is not None:
-            opening = f"o:{_digest([model, salt, message_hashes[:first + 2]])}"
+            opening = f"o:{digest([model, salt, message_hashes[:first + 2]])}"
         text = None if tokens is not None else _chat_text(body)
     else:
         prompt = body.get("prompt")

@@ -33,7 +33,9 @@ from aiohttp import web
 
 from .admission import QueueFull, QueueTimeout
 from .breaker import BreakerState
-from .conversations import CacheResult, Conversation, classify
+from .causes import Cause, Change, diagnose, fingerprint
+from .changes import redacted_excerpt
+from .conversations import CacheResult, Conversation, Verdict, classify
 from .errors import error_body, openai_error
 from .gateway import Gateway
 from .policy import Decision, ReplicaView, Route
@@ -146,8 +148,7 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
             session = f"{tenant.name}:{session}"  # tenants' session ids never meet
     payload = _patched(raw, body, extra)
     body.update(extra)  # what the replica sees is what routing hashes (the salt seeds the blocks)
-    info: PromptInfo = await asyncio.get_running_loop().run_in_executor(
-        gw.executor, analyze, body, chat, gw.tokenizer, gw.block_size, gw.config.routing.char_block_size, session)
+    info: PromptInfo = await asyncio.get_running_loop().run_in_executor(gw.executor, _analyze, gw, body, chat, session)
     if gw.config.log_prompts:  # an operator's explicit choice (off by default)
         log.info("request conversation=%s units=%d body=%.500r", info.conversation, info.num_units, raw)
     rejected = await _admit(gw)
@@ -162,8 +163,19 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
     gw.metrics.routing_seconds.observe(time.perf_counter() - started)
     gw.branches.record(info.hashes, gw.config.routing.max_key_blocks)
     upstream_request = _Upstream(path, payload, {**_forward_headers(request, gw), "Content-Type": "application/json"},
-                                 stream, client_wants_usage)
+                                 stream, client_wants_usage, body)
     return await _forward(request, gw, decision, info, upstream_request)
+
+
+def _analyze(gw: Gateway, body: dict, chat: bool, session: str | None) -> PromptInfo:
+    """``prompts.analyze``, plus the fingerprint ``causes.diagnose`` needs when the request
+    belongs to a conversation (built on the previous one's, so only new messages cost).
+    Runs in a worker thread."""
+    info = analyze(body, chat, gw.tokenizer, gw.block_size, gw.config.routing.char_block_size, session)
+    if info.conversation:
+        previous = gw.conversations.get(info.conversation)
+        info.print = fingerprint(body, previous.print if previous is not None else None)
+    return info
 
 
 async def _admit(gw: Gateway) -> web.Response | None:
@@ -191,6 +203,7 @@ class _Upstream:
     headers: dict[str, str]
     stream: bool
     client_wants_usage: bool
+    body: dict  # as parsed (and patched): for the request log's bodies and change excerpts
 
 
 async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: PromptInfo,
@@ -349,12 +362,12 @@ async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: s
         if status != _CLIENT_GONE:
             with contextlib.suppress(ConnectionError):
                 await response.write_eof()
-    _account(gw, name, decision, info, status, usage, ttft, time.perf_counter() - t0)
+    _account(gw, name, decision, info, up, status, usage, ttft, time.perf_counter() - t0)
     return response, status
 
 
-def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, status: int, usage: dict | None,
-             ttft: float | None, elapsed: float) -> None:
+def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, up: _Upstream, status: int,
+              usage: dict | None, ttft: float | None, elapsed: float) -> None:
     m = gw.metrics
     m.requests.labels(name, decision.route.value, str(status)).inc()
     if decision.route is Route.SPILL and decision.spilled_from:
@@ -364,8 +377,8 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, statu
     m.request_seconds.labels(name).observe(elapsed)
     if status != 200 or not usage:
         if gw.request_log is not None:
-            gw.request_log.write(replica=name, route=decision.route.value, status=status, ttft_s=ttft,
-                                 elapsed_s=round(elapsed, 6), conversation=conversation_tag(info.conversation))
+            _log(gw, up, replica=name, route=decision.route.value, status=status, ttft_s=ttft,
+                 elapsed_s=round(elapsed, 6), conversation=conversation_tag(info.conversation))
         return
     prompt_tokens = int(usage.get("prompt_tokens") or 0)
     cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
@@ -389,20 +402,41 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, statu
                        best_blocks=decision.best_blocks, max_hit_blocks=gw.max_hit_blocks(info),
                        block_size=1, held_blocks=decision.held_blocks)
     m.cache_requests.labels(name, verdict.result.value).inc()
+    lost = int(verdict.lost_tokens * to_tokens)
     if verdict.lost_tokens:
-        cause = verdict.result.value.removeprefix("miss_")
-        m.lost_tokens.labels(name, cause).inc(int(verdict.lost_tokens * to_tokens))
+        m.lost_tokens.labels(name, verdict.result.value.removeprefix("miss_")).inc(lost)
+    change = None
     if verdict.result is CacheResult.MISS_CHANGED:
-        gw.record_change(verdict, int(verdict.diverged_block * to_tokens))
+        change = _change(previous, info, verdict)
+        excerpt = (redacted_excerpt(up.body, change, gw.config.changes.snippet_chars)
+                   if gw.config.changes.snippets else None)
+        gw.record_change(change, int(verdict.diverged_block * to_tokens), lost, excerpt)
     if conversation:
-        gw.conversations.put(conversation, Conversation.of(info.hashes, info.message_hashes))
+        gw.conversations.put(conversation, Conversation.of(info.hashes, info.message_hashes, info.print))
     if gw.request_log is not None:
-        changed = verdict.result is CacheResult.MISS_CHANGED
-        gw.request_log.write(
-            replica=name, route=decision.route.value, status=status, prompt_tokens=prompt_tokens,
-            cached_tokens=cached_tokens, predicted_cached_tokens=predicted, result=verdict.result.value,
-            lost_tokens=int(verdict.lost_tokens * to_tokens),
-            diverged_message=verdict.diverged_message if changed else None,
-            diverged_token=int(verdict.diverged_block * to_tokens) if changed else None,
-            conversation=conversation_tag(conversation), spilled_from=decision.spilled_from,
-            ttft_s=ttft, elapsed_s=round(elapsed, 6))
+        _log(gw, up, replica=name, route=decision.route.value, status=status, prompt_tokens=prompt_tokens,
+             cached_tokens=cached_tokens, predicted_cached_tokens=predicted, result=verdict.result.value,
+             lost_tokens=lost, cause=change.cause.value if change else None,
+             diverged_message=change.message_index if change else None,
+             diverged_token=int(verdict.diverged_block * to_tokens) if change else None,
+             conversation=conversation_tag(conversation), spilled_from=decision.spilled_from,
+             ttft_s=ttft, elapsed_s=round(elapsed, 6))
+
+
+def _change(previous: Conversation, info: PromptInfo, verdict: Verdict) -> Change:
+    """Why the client changed its prefix: ``causes.diagnose`` on the two fingerprints. When the
+    messages and tools are the same, something outside them changed (model, cache salt, chat
+    template options): ``other``."""
+    change = diagnose(previous.print, info.print) if previous.print is not None and info.print is not None else None
+    if change is None:
+        index = verdict.diverged_message if verdict.diverged_message is not None else 0
+        change = Change(Cause.OTHER, index, "request", "messages and tools unchanged: model, cache salt or "
+                                                       "chat template options changed")
+    return change
+
+
+def _log(gw: Gateway, up: _Upstream, **fields) -> None:
+    """One request-log line; with ``request_log_bodies`` also the path and the body sent."""
+    if gw.config.request_log_bodies:
+        fields.update(path=up.path, body=up.body)
+    gw.request_log.write(**fields)

@@ -5,9 +5,13 @@ gateway decided and what the engine reported, never prompt text: ``t`` (Unix sec
 ``replica``, ``route`` (affinity, spill, sticky, fallback), ``status``, ``prompt_tokens``,
 ``cached_tokens`` (the engine's ``prompt_tokens_details.cached_tokens``),
 ``predicted_cached_tokens`` (what the gateway believed the replica held), ``result`` (hit or a
-miss kind, see ``conversations.py``), ``lost_tokens``, ``diverged_message`` and
-``diverged_token`` (for ``miss_changed``), ``conversation`` (a 64-bit hash of the conversation
-id, so the session key itself stays out), ``ttft_s`` and ``elapsed_s``.
+miss kind, see ``conversations.py``), ``lost_tokens``, ``cause``, ``diverged_message`` and
+``diverged_token`` (for ``miss_changed``: ``causes.py``), ``conversation`` (a 64-bit hash of the
+conversation id, so the session key itself stays out), ``ttft_s`` and ``elapsed_s``.
+
+With ``request_log_bodies`` on (an operator's choice: prompt text), each line also holds
+``path`` and ``body``, the request as sent to the replica: ``prefix-router audit`` and
+``prefix-router gate`` read such a log.
 """
 
 from __future__ import annotations

@@ -116,8 +116,10 @@ async def test_a_timestamp_in_the_system_prompt_is_counted_as_changed_at_message
     metrics = await (await client.get("/metrics")).text()
     assert metric(metrics, "prefix_router_cache_requests_total", result="miss_changed") == 2
     assert metric(metrics, "prefix_router_lost_tokens_total", cause="changed") > 0
-    sites = client.server.app[GATEWAY].change_sites
-    assert {message for message, _ in sites} == {0}
+    assert metric(metrics, "prefix_router_changed_total", cause="volatile_value") == 2
+    sites = (await (await client.get("/debug/changes")).json())["sites"]
+    assert {(s["cause"], s["message_index"], s["role"]) for s in sites} == {("volatile_value", 0, "system")}
+    assert "Current time" not in json.dumps(sites)  # no prompt text unless snippets are turned on
 
 
 async def test_a_saturated_replica_spills_and_the_session_sticks_where_its_history_went(fleet, gateway):

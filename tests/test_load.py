@@ -35,7 +35,6 @@ async def test_the_gateways_bookkeeping_stays_within_its_bounds_over_a_long_repl
     what the replay would fill)."""
     from router.app import GATEWAY, create_app
     from router.config import config_from_dict
-    from router.gateway import MAX_CHANGE_SITES
     from router.replay.client import replay
     from router.replay.generate import builtin_workload
     from router.tokenizer import ByteTokenizer
@@ -45,10 +44,10 @@ async def test_the_gateways_bookkeeping_stays_within_its_bounds_over_a_long_repl
     sims = await fleet(2)
     bounds = {"max_blocks_per_replica": 400, "max_branch_blocks": 300, "max_conversations": 20}
     config = config_from_dict({"replicas": [str(s.make_url("")).rstrip("/") for s in sims], "index": bounds,
-                               "scrape": {"interval_s": 0.2}})
+                               "scrape": {"interval_s": 0.2}, "changes": {"max_sites": 5}})
     server = await aiohttp_server(create_app(config, ByteTokenizer()))
     gw = server.app[GATEWAY]
-    seen = {"shadow": 0, "branches": 0, "conversations": 0}
+    seen = {"shadow": 0, "branches": 0, "conversations": 0, "change_sites": 0}
     requests = builtin_workload("breakers", sessions=120, seed=4)
     for start in range(0, len(requests), 100):  # in slices, checking the bounds between them
         records = await replay(requests[start:start + 100], str(server.make_url("")), model=MODEL, time_scale=500)
@@ -56,10 +55,12 @@ async def test_the_gateways_bookkeeping_stays_within_its_bounds_over_a_long_repl
         seen["shadow"] = max(seen["shadow"], *(len(r.shadow) for r in gw.replicas.values()))
         seen["branches"] = max(seen["branches"], len(gw.branches))
         seen["conversations"] = max(seen["conversations"], len(gw.conversations))
+        seen["change_sites"] = max(seen["change_sites"], len(gw.changes))
     print(f"{len(requests)} requests; most held: {seen} (bounds {bounds})")
     assert 0 < seen["shadow"] <= bounds["max_blocks_per_replica"]
     assert 0 < seen["branches"] <= bounds["max_branch_blocks"]
     assert seen["conversations"] == bounds["max_conversations"]  # filled, never past
-    assert len(gw.change_sites) <= MAX_CHANGE_SITES
+    assert seen["change_sites"] == 5  # filled, never past; later changes counted by cause only
+    assert sum(count for count, _ in gw.changes.by_cause.values()) > sum(s.count for s in gw.changes.sites.values())
     total_blocks = sum(r.shadow.capacity for r in gw.replicas.values())
     assert total_blocks == 2 * bounds["max_blocks_per_replica"]

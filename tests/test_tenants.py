@@ -117,16 +117,18 @@ async def test_routing_keys_differ_per_tenant(fleet, tenant_gateway):
 
 async def test_admin_views_need_an_admin_key_once_keys_are_configured(fleet, tenant_gateway, aiohttp_client):
     client = await tenant_gateway(await fleet(1))
-    assert (await client.get("/replicas")).status == 401
-    resp = await client.get("/replicas", headers=_auth("acme"))
-    assert resp.status == 403 and (await resp.json())["error"]["type"] == "PermissionDeniedError"
-    assert (await client.get("/replicas", headers=_auth(key=ADMIN))).status == 200
+    for view in ("/replicas", "/debug/changes"):
+        assert (await client.get(view)).status == 401
+        resp = await client.get(view, headers=_auth("acme"))
+        assert resp.status == 403 and (await resp.json())["error"]["type"] == "PermissionDeniedError"
+        assert (await client.get(view, headers=_auth(key=ADMIN))).status == 200
     assert (await client.get("/health")).status == 200 and (await client.get("/ready")).status == 200
     # admin keys alone (no tenants) protect the views and leave generation open
     sims = await fleet(1)
     config = config_from_dict({"replicas": [str(sims[0].make_url("")).rstrip("/")], "auth": {"admin_keys": [ADMIN]}})
     open_client = await aiohttp_client(create_app(config, ByteTokenizer()))
     assert (await open_client.get("/replicas")).status == 401
+    assert (await open_client.get("/debug/changes")).status == 401
     assert (await _ask(open_client, None, _body()))[0] == 200
 
 
