@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-__all__ = ["Cause", "FIXES", "VOLATILE", "MessagePrint", "RequestPrint", "Change", "digest", "fingerprint", "diagnose"]
+__all__ = ["Cause", "FIXES", "VOLATILE", "MessagePrint", "RequestPrint", "Change", "digest", "fingerprint", "diagnose", "explain"]
 
 
 class Cause(str, enum.Enum):
@@ -248,3 +248,15 @@ def diagnose(prev: RequestPrint, new: RequestPrint) -> Change | None:
     if i + 1 >= len(p) and old.role == now.role and i > 0:
         return Change(Cause.HISTORY_REWRITTEN, i, old.role, "the last message sent was edited")
     return Change(Cause.OTHER, i, old.role, "the text differs and none of the later history is kept")
+
+
+def explain(prev: RequestPrint | None, new: RequestPrint | None, message_index: int | None) -> Change:
+    """``diagnose`` for a request whose token blocks are known to depart from the previous
+    request's inside what it sent (a ``miss_changed``): never None. When the messages and tools
+    are the same, something outside them changed (model, cache salt, chat template options):
+    ``other`` at ``message_index`` (the first differing message hash, if known)."""
+    change = diagnose(prev, new) if prev is not None and new is not None else None
+    if change is None:
+        change = Change(Cause.OTHER, message_index if message_index is not None else 0, "request",
+                        "messages and tools unchanged: model, cache salt or chat template options changed")
+    return change

@@ -149,11 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_sim(sub)
+    from .audit import add_parser as add_audit
     from .demo import add_parser as add_demo
     from .replay.cli import add_parser as add_replay
 
     add_replay(sub)
     add_demo(sub)
+    add_audit(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_ClientErrorFilter())

@@ -33,7 +33,13 @@ from dataclasses import dataclass
 from .blocks import BlockHash
 from .causes import RequestPrint
 
-__all__ = ["CacheResult", "Conversation", "Conversations", "Verdict", "classify"]
+__all__ = ["CacheResult", "Conversation", "Conversations", "Verdict", "classify", "TAIL_BLOCKS"]
+
+# A departure in the previous prompt's last block is not a change: the tokens at a prompt's end
+# (the generation prompt, "<|im_start|>assistant\n") may tokenize differently once the answer
+# follows them (BPE merges across the boundary; measured with the byte tokenizer's 4-byte
+# tokens on the SWE-agent sessions), so that block can differ though the client appended.
+TAIL_BLOCKS = 1
 
 
 class CacheResult(str, enum.Enum):
@@ -108,7 +114,7 @@ def classify(*, hashes: Sequence[BlockHash], message_hashes: Sequence[int], prev
     if previous is not None:
         reusable = min(len(previous.hashes), max_hit_blocks)
         shared = _common(hashes, previous.hashes)
-        if shared < reusable and cached_blocks <= shared:
+        if shared < reusable - TAIL_BLOCKS and cached_blocks <= shared:
             message = _common(message_hashes, previous.message_hashes) - 1  # -1: the tools
             return Verdict(CacheResult.MISS_CHANGED, (reusable - shared) * block_size, shared, message)
     if best_blocks > cached_blocks and best_blocks > predicted_blocks:

@@ -17,7 +17,7 @@ from .blocks import BlockHash, block_hashes, seed_hash, text_block_hashes
 from .causes import RequestPrint, digest
 from .tokenizer import ChatFormatError, PromptTokenizer
 
-__all__ = ["PromptInfo", "analyze", "chat_tokens", "check_body"]
+__all__ = ["PromptInfo", "analyze", "chat_tokens", "check_body", "conversation_id"]
 
 
 @dataclass(slots=True)
@@ -40,6 +40,19 @@ class PromptInfo:
     # The fingerprint ``causes.diagnose`` compares with the conversation's previous request;
     # set by the proxy for requests that belong to a conversation.
     print: RequestPrint | None = None
+
+
+def conversation_id(body: dict, session_key: str | None) -> str:
+    """The conversation a request belongs to: its session key, else (chat) a hash of the model,
+    cache salt and first user message, else "" (a completion without a session key has none)."""
+    if session_key:
+        return session_key
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return ""
+    salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+    first_user = next((m for m in messages if isinstance(m, dict) and m.get("role") == "user"), None)
+    return f"u:{digest([str(body.get('model') or ''), salt, first_user])}"
 
 
 def check_body(body: dict, chat: bool) -> tuple[str, str] | None:
@@ -124,8 +137,7 @@ def analyze(body: dict, chat: bool, tokenizer: PromptTokenizer | None, block_siz
         messages = messages if isinstance(messages, list) else []
         message_hashes = (digest(body.get("tools")), *(digest(m) for m in messages))
         first = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), None)
-        first_user = messages[first] if first is not None else None
-        conversation = session_key or f"u:{digest([model, salt, first_user])}"
+        conversation = conversation_id(body, session_key)
         if first is not None:
             opening = f"o:{digest([model, salt, message_hashes[:first + 2]])}"
         text = None if tokens is not None else _chat_text(body)

@@ -33,9 +33,9 @@ from aiohttp import web
 
 from .admission import QueueFull, QueueTimeout
 from .breaker import BreakerState
-from .causes import Cause, Change, diagnose, fingerprint
+from .causes import explain, fingerprint
 from .changes import redacted_excerpt
-from .conversations import CacheResult, Conversation, Verdict, classify
+from .conversations import CacheResult, Conversation, classify
 from .errors import error_body, openai_error
 from .gateway import Gateway
 from .policy import Decision, ReplicaView, Route
@@ -407,7 +407,7 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, up: _
         m.lost_tokens.labels(name, verdict.result.value.removeprefix("miss_")).inc(lost)
     change = None
     if verdict.result is CacheResult.MISS_CHANGED:
-        change = _change(previous, info, verdict)
+        change = explain(previous.print, info.print, verdict.diverged_message)
         excerpt = (redacted_excerpt(up.body, change, gw.config.changes.snippet_chars)
                    if gw.config.changes.snippets else None)
         gw.record_change(change, int(verdict.diverged_block * to_tokens), lost, excerpt)
@@ -421,18 +421,6 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, up: _
              diverged_token=int(verdict.diverged_block * to_tokens) if change else None,
              conversation=conversation_tag(conversation), spilled_from=decision.spilled_from,
              ttft_s=ttft, elapsed_s=round(elapsed, 6))
-
-
-def _change(previous: Conversation, info: PromptInfo, verdict: Verdict) -> Change:
-    """Why the client changed its prefix: ``causes.diagnose`` on the two fingerprints. When the
-    messages and tools are the same, something outside them changed (model, cache salt, chat
-    template options): ``other``."""
-    change = diagnose(previous.print, info.print) if previous.print is not None and info.print is not None else None
-    if change is None:
-        index = verdict.diverged_message if verdict.diverged_message is not None else 0
-        change = Change(Cause.OTHER, index, "request", "messages and tools unchanged: model, cache salt or "
-                                                       "chat template options changed")
-    return change
 
 
 def _log(gw: Gateway, up: _Upstream, **fields) -> None:

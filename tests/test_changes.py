@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from router.app import GATEWAY, create_app
-from router.causes import Cause
+from router.app import create_app
+from router.audit import audit
+from router.causes import Cause, Change
 from router.changes import ChangeSites, redacted_excerpt
-from router.causes import Change
 from router.config import config_from_dict
 from router.tokenizer import ByteTokenizer
 
@@ -86,6 +86,10 @@ async def test_snippets_are_redacted_and_bounded_and_the_request_log_can_carry_b
     lines = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
     assert [line["body"]["messages"] for line in lines] == [t["messages"] for t in turns[:3]]
     assert {line["path"] for line in lines} == {"/v1/chat/completions"}
+    # prefix-router audit reads that log and finds the same breaks
+    report = audit(str(tmp_path / "requests.jsonl"))
+    assert [(b["turn"], b["cause"], b["message_index"]) for c in report["conversations"] for b in c["breaks"]] == [
+        (1, "volatile_value", 0), (2, "volatile_value", 0)]
 
 
 def test_excerpts_mask_ids_addresses_and_keys():

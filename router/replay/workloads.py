@@ -16,6 +16,12 @@ Times are modelled seconds; the replayer divides them by its ``--time-scale``.
   and readable by routers that only take text prompts (SGLang's gateway rejects token ids).
 - SWE-agent ``.traj`` files (``history`` of messages with tool calls): turn k is the chat
   request holding ``history[:k]`` up to the k-th assistant message; each file is a session.
+- Request logs (``load_request_log``): JSONL of OpenAI request bodies as an application sends
+  them, one a line, optionally with a ``session`` (or ``session_id``) field beside the body's
+  own; or lines ``{"body": {...}, "path": ..., "session": ...}``, which is what the gateway's
+  request log holds with ``request_log_bodies`` on (there ``conversation`` names the session and
+  ``t`` the time). Lines without a session are grouped as the gateway groups them: by model,
+  cache salt and first user message (``prompts.conversation_id``). Turns go out in file order.
 - ``builtin_workload``: seeded synthetic chat and agent sessions (see ``generate.py``).
 """
 
@@ -28,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ReplayRequest", "load_mooncake", "load_trajectories", "mooncake_block_tokens", "load_workload",
-           "token_text"]
+__all__ = ["ReplayRequest", "load_mooncake", "load_trajectories", "load_request_log", "mooncake_block_tokens",
+           "load_workload", "token_text"]
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -190,10 +196,70 @@ def load_trajectories(paths: list[Path], *, sessions: int | None = None, stagger
     return requests
 
 
+_SESSION_FIELDS = ("session", "session_id", "conversation")  # not OpenAI fields: taken out of the body
+
+
+def _logged_request(line: dict) -> tuple[str, dict, str | None, float | None] | None:
+    """(path, body, session, t) of one request-log line, or None when it holds no body."""
+    body = line.get("body") if isinstance(line.get("body"), dict) else None
+    if body is None:
+        if "messages" not in line and "prompt" not in line:
+            return None
+        body = line
+    session = next((str(line[k]) for k in _SESSION_FIELDS if line.get(k)), None)
+    body = {k: v for k, v in body.items() if k not in _SESSION_FIELDS}
+    path = line.get("path") if line.get("path") in (CHAT, COMPLETIONS) else (CHAT if "messages" in body else COMPLETIONS)
+    t = line.get("t") if isinstance(line.get("t"), (int, float)) else None
+    return path, body, session, t
+
+
+def load_request_log(path: str | Path) -> list[ReplayRequest]:
+    """The requests of a request log (see the module docstring), in file order; each request's
+    ``meta`` holds its ``line`` (1-based). Raises ``ValueError`` for a line that is
+    not JSON, or a file with no request body (a gateway log written without
+    ``request_log_bodies``)."""
+    from ..prompts import conversation_id
+
+    requests: list[ReplayRequest] = []
+    turns: dict[str, int] = {}
+    t0 = None
+    for number, text in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
+        parsed = _logged_request(line) if isinstance(line, dict) else None
+        if parsed is None:
+            continue
+        route, body, session, t = parsed
+        session = session or conversation_id(body, None) or f"#{number}"
+        t0 = t if t0 is None and t is not None else t0
+        turn = turns[session] = turns.get(session, -1) + 1
+        at_s = (t - t0) if t is not None and t0 is not None else 0.0
+        requests.append(ReplayRequest(route, body, at_s=at_s if turn == 0 else 0.0, session=session, turn=turn,
+                                      meta={"line": number}))
+    if not requests:
+        raise ValueError(f"{path}: no request bodies (a gateway request log needs request_log_bodies: true)")
+    return requests
+
+
+def _is_request_log(path: Path) -> bool:
+    with path.open(encoding="utf-8") as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        line = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(line, dict) and "hash_ids" not in line and any(k in line for k in ("messages", "prompt", "body", "replica"))
+
+
 def load_workload(trace: str | None, *, workload: str = "mixed", limit: int | None = None,
                   trace_block_size: int = 512, vocab_size: int = 32_000, seed: int = 0,
                   max_tokens: int = 64) -> list[ReplayRequest]:
-    """Pick a loader by file: ``.jsonl`` Mooncake, ``.traj`` or a folder of them, else built-in."""
+    """Pick a loader by file: ``.traj`` or a folder of them, a request log (JSONL of request
+    bodies), a Mooncake ``.jsonl``, else the built-in workload."""
     if trace is None:
         from .generate import builtin_workload
 
@@ -204,6 +270,8 @@ def load_workload(trace: str | None, *, workload: str = "mixed", limit: int | No
             requests = load_trajectories(sorted(path.glob("*.traj")), max_tokens=max_tokens)
         elif path.suffix == ".traj":
             requests = load_trajectories([path], max_tokens=max_tokens)
+        elif _is_request_log(path):
+            requests = load_request_log(path)
         else:
             requests = load_mooncake(path, block_size=trace_block_size, vocab_size=vocab_size, limit=limit)
     return requests[:limit] if limit is not None else requests
