@@ -151,11 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     _add_sim(sub)
     from .audit import add_parser as add_audit
     from .demo import add_parser as add_demo
+    from .gate import add_parser as add_gate
     from .replay.cli import add_parser as add_replay
 
     add_replay(sub)
     add_demo(sub)
     add_audit(sub)
+    add_gate(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_ClientErrorFilter())
