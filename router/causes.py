@@ -128,6 +128,13 @@ class RequestPrint:
         return MessagePrint(self.roles[i], self.raw[i], self.masked[i], self.canonical[i])
 
 
+def tool_name(tool) -> str:
+    """A tool's ``function.name`` (at most 64 characters), "?" when the tool has none."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    return str(name or "?")[:64]
+
+
 def _canonical_calls(calls) -> str:
     """Tool calls with their JSON ``arguments`` strings parsed, serialised with sorted keys."""
     out = []
@@ -164,8 +171,7 @@ def fingerprint(body: dict, previous: RequestPrint | None = None) -> RequestPrin
     of its new messages only.
     """
     tools = body.get("tools") if isinstance(body.get("tools"), list) else []
-    names = tuple(str(((t.get("function") or {}).get("name") if isinstance(t, dict) else None) or "?")[:64]
-                  for t in tools)
+    names = tuple(tool_name(t) for t in tools)
     tool_hashes = tuple(_hash(json.dumps(t, sort_keys=True, default=str)) for t in tools)
     messages = body.get("messages")
     if not isinstance(messages, list):

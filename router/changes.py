@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .causes import FIXES, VOLATILE, Cause, Change
+from .causes import FIXES, VOLATILE, Cause, Change, tool_name
 
 __all__ = ["ChangeSites", "Site", "redacted_excerpt"]
 
@@ -55,7 +55,7 @@ def redacted_excerpt(body: dict, change: Change, chars: int) -> str | None:
     message's first lines. The tool list's excerpt is its tool names. None when there is no text."""
     if change.message_index == -1:
         tools = body.get("tools") if isinstance(body.get("tools"), list) else []
-        names = [str((t.get("function") or {}).get("name")) for t in tools if isinstance(t, dict)]
+        names = [tool_name(t) for t in tools]
         return ", ".join(names)[:chars] or None
     messages = body.get("messages")
     if not isinstance(messages, list):

@@ -72,6 +72,20 @@ async def test_an_unknown_model_gets_the_replicas_404(fleet, gateway):
     assert "no-such-model" in _error(404, await resp.json())["message"]
 
 
+async def test_odd_tools_and_tool_calls_never_break_the_gateways_fingerprints(fleet, gateway):
+    # The gateway fingerprints every conversation's messages and tools (router/causes.py);
+    # what it cannot read there must be the replica's to judge, never a 500 from here.
+    client = await gateway(await fleet(1))
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [{"function": "x"}, 7, {"function": {"arguments": "{"}}]},
+                {"role": "tool", "content": [{"type": "text", "text": "{\"a\": 1}"}]}]
+    for tools in ([{"function": "str"}, 5, {"function": None}], [{"type": "function"}], []):
+        for turn in (messages[:1], messages):
+            resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": turn, "tools": tools},
+                                     headers={"X-Session-ID": "odd"})
+            assert resp.status < 500, await resp.text()
+
+
 async def test_an_oversized_header_gets_a_400_and_the_gateway_keeps_serving(fleet, gateway):
     client = await gateway(await fleet(1))
     resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
