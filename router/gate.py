@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 from .replay.generate import WORKLOADS
@@ -33,8 +34,6 @@ __all__ = ["add_parser", "salted", "verdict"]
 def salted(requests: list, salt: str) -> list:
     """Copies of ``requests`` (``ReplayRequest``) whose bodies carry ``cache_salt`` ``salt``
     (``salt/<theirs>`` when a body had one)."""
-    from dataclasses import replace
-
     out = []
     for r in requests:
         own = r.body.get("cache_salt")
@@ -135,8 +134,7 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         result["passed"] = None
         print(json.dumps(result) if args.json else
-              f"gate: {sum(r['errors'] for r in failed)} requests failed ({failed[0]['first_error']}); not measured",
-              file=sys.stdout)
+              f"gate: {sum(r['errors'] for r in failed)} requests failed ({failed[0]['first_error']}); not measured")
         return 2
     if args.write_baseline:
         Path(args.baseline).write_text(json.dumps({k: result[k] for k in ("token_hit_rate", "requests", "workload")},
