@@ -83,13 +83,20 @@ class RoutingConfig:
     branch_threshold: int = 4
     # deepest routing key in blocks: 512 x 16 = 8K tokens, past any shared system prompt
     max_key_blocks: int = 512
-    # queue depth + requests sent since the last scrape at or above which a replica spills to
-    # the next one on the ring; 8 waiting requests is seconds of prefill on one GPU
-    spill_queue_depth: int = 8
-    # also spill when a replica's load exceeds load_factor x mean load + 1 and is at least half
-    # spill_queue_depth (bounded-load hashing; KubeAI uses 1.25; looser here, and floored, to
-    # keep affinity: noise-driven spills cost 3 points of hit rate on the Mooncake trace)
-    load_factor: float = 1.5
+    # the load bound: a replica may take a request while its load after it is at most
+    # ceil(load_factor x (total load + 1) / replicas) (consistent hashing with bounded loads;
+    # KubeAI's CHWBL uses 1.25, and so does SGLang's prefix_hash policy). Lower spreads more and
+    # caches less; 1 is a pure least-loaded spread of requests
+    load_factor: float = 1.25
+    # requests over the mean any replica may carry whatever the factor: at low load the factor
+    # alone turns a second request for a document away from the one replica holding it while
+    # the rest of the fleet idles (vLLM batches both; nothing queues). 1: chosen by bench.compare
+    load_slack: int = 1
+    # the same bound (load_factor, load_slack) also holds each replica's share of the requests
+    # sent lately, each counting 1 when sent and half as much every this many seconds: with
+    # requests one at a time nothing is ever in flight, and without it every new conversation
+    # would follow a shared system prompt to the one replica that computed it first
+    share_half_life_s: float = 60.0
     # request header whose value keys a session to a replica (multi-turn chats stay together)
     session_header: str = "X-Session-ID"
     # use the OpenAI ``user`` field as a session key when no session header is present
@@ -399,8 +406,9 @@ _CHECKS: dict[tuple[type, str], _Check] = {
     (RoutingConfig, "char_block_size"): _POSITIVE,
     (RoutingConfig, "branch_threshold"): _bounded(2),  # 1 would make every block "shared"
     (RoutingConfig, "max_key_blocks"): _POSITIVE,
-    (RoutingConfig, "spill_queue_depth"): _POSITIVE,
     (RoutingConfig, "load_factor"): _bounded(1),
+    (RoutingConfig, "load_slack"): _NON_NEGATIVE,
+    (RoutingConfig, "share_half_life_s"): _TIME,
     (RoutingConfig, "session_header"): _non_empty,
     (IndexConfig, "max_blocks_per_replica"): _POSITIVE,
     (IndexConfig, "max_branch_blocks"): _POSITIVE,
@@ -440,6 +448,11 @@ _CHECKS: dict[tuple[type, str], _Check] = {
     (GatewayConfig, "host"): _non_empty,
     (GatewayConfig, "port"): _bounded(0, 65535),
     (GatewayConfig, "tokenizer"): _non_empty,
+}
+
+# Settings that earlier releases had, with what replaced them.
+_REMOVED: dict[tuple[type, str], str] = {
+    (RoutingConfig, "spill_queue_depth"): "the load bound is routing.load_factor (a multiple of the mean load)",
 }
 
 # A plain string where this dataclass is expected stands for {field: string}.
@@ -530,6 +543,8 @@ def _build(cls: type, data: Mapping[Any, Any], path: str) -> Any:
     """Build dataclass ``cls`` from a mapping, checking keys, types and ranges."""
     known = [f.name for f in fields(cls)]
     for key in data:
+        if (cls, key) in _REMOVED:
+            raise ConfigError(f"{_join(path, str(key))}: no longer a setting; {_REMOVED[cls, key]}")
         if key not in known:
             hint = difflib.get_close_matches(str(key), known, n=1)
             suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""

@@ -3,10 +3,10 @@
 Holds the replicas, the ring, the policy, the branch statistics, the conversation memory, the
 metrics, the optional request log, the tokenizer, the shared HTTP client pool and the worker
 threads for tokenization.
-Shadow indexes and conversation memory are per gateway instance: several instances place the
-same request on the same replica (the ring and the key are deterministic; a chat's key, its
-opening, needs no learning), but each learns the branch points of completion prompts and the
-histories only from the requests it sees.
+Shadow indexes, load counts and conversation memory are per gateway instance: several instances
+place a request none of them knows anything of on the same replica (the ring and the key are
+deterministic; a chat's key, its opening, needs no learning), but each learns cached prefixes,
+the branch points of completion prompts and the histories only from the requests it sees.
 """
 
 from __future__ import annotations

@@ -180,19 +180,3 @@ class BranchStats:
             if table.get(hashes[i]) is shared:
                 depth = i + 2
         return depth
-
-    def parted_depth(self, hashes: Sequence[BlockHash], max_depth: int) -> int:
-        """Blocks through the first block where this prompt parted from any prompt seen before:
-        the deepest block after which some other successor was recorded (even once), plus the
-        block that follows it here; 1 when none. A replica holding fewer blocks holds only what
-        other conversations also sent (``PrefixAffinityPolicy``'s sticky rule)."""
-        table = self._next
-        depth = 1
-        for i in range(min(max_depth, len(hashes) - 1)):
-            seen = table.get(hashes[i])
-            if seen is None:
-                continue
-            nxt = hashes[i + 1]
-            if seen is self._SHARED or (seen != nxt if not isinstance(seen, set) else seen != {nxt}):
-                depth = i + 2
-        return depth

@@ -1,21 +1,44 @@
 """Routing policies: pure, synchronous choices of a replica for one request.
 
-``PrefixAffinityPolicy.select`` in order:
+``PrefixAffinityPolicy.select``: the longest cached prefix, under a load bound.
 
-1. Routing key: the session key when the caller gives one (a client's session id, or a chat's
-   opening, ``PromptInfo.opening``); otherwise the request's block chain up to
-   ``BranchStats.key_depth`` blocks (past prefixes shared by many conversations, through the
-   first block specific to this one). The key's owner on the ring
-   is the affinity replica; the rest of the ring, in order, are the spill candidates.
-2. History: if a replica already holds more of this prompt than the key covers (its shadow
-   index matches at least ``key_depth`` blocks, and past the point where this prompt parted
-   from every other prompt seen, ``BranchStats.parted_depth``) and is not overloaded, it wins
-   (``sticky``): a session that spilled keeps its history where it went.
-3. Load: a replica is overloaded when its load (queue depth at the last scrape plus requests
-   sent since) is at or above ``spill_queue_depth``, or above ``load_factor`` x mean load + 1
-   while at least half that depth (``_overloaded``).
-   Walk the ring from the owner to the first replica that is not (``affinity`` when that is the
-   owner, ``spill`` otherwise); when all are, take the least loaded (``fallback``).
+1. Match: for each routable replica, how many of the request's leading blocks it holds
+   (``ShadowIndex.match``, capped at the blocks the engine can hit).
+2. Bound: a replica may take the request when its load after taking it is at most
+   ``ceil(max(load_factor x mean, mean + load_slack))``, the mean counting the new request
+   (``load_bound``, ``within_bound``): consistent hashing
+   with bounded loads (Mirrokni et al., "Consistent Hashing with Bounded Loads", SODA 2018;
+   KubeAI's CHWBL, ``internal/loadbalancer/balance_chwbl.go``, with 1.25). Load is requests in
+   flight plus what other gateways put on the engine (``ReplicaState.routing_load``), counted the
+   moment a request is sent. The least loaded replica is always within the bound, so a request
+   always has somewhere to go. The same bound holds the share of the requests
+   sent lately (``ReplicaView.recent``, decayed with ``share_half_life_s``) of every replica but
+   the key's owner: traffic that arrives one request at a time has nothing in flight, and would
+   otherwise follow a shared system prompt to the one replica that computed it first.
+3. Choice: among replicas within the bound, the one holding most of the prompt; ties go in ring
+   order of the request's key. The key is the session key when the caller gives one (a client's
+   session id, or a chat's opening, ``PromptInfo.opening``), else the block chain through the
+   first block after the deepest prefix many prompts share (``BranchStats.key_depth``). A tie
+   carries no cache information, so the key spreads it: new conversations that share one system
+   prompt held everywhere go where their own key points, not all to one replica, and every
+   gateway instance places a request it knows nothing about in the same place.
+
+What this does to each traffic shape:
+
+=================================  =============================================================
+shape                              outcome
+=================================  =============================================================
+a conversation's later turns       its history lives on one replica: that replica holds the most
+a document shared by many prompts  they follow it to its holder until the holder is full, then
+                                   one spill computes it on another replica, and both serve it
+one system prompt, many sessions   everyone holds it (a tie): sessions spread by their own keys
+nothing cached anywhere            the ring owner of the key, or the next within the bound
+=================================  =============================================================
+
+The route reported: ``affinity`` when the choice is the key's ring owner, ``sticky`` when another
+replica held more of the prompt, ``spill`` when the replica preferred without the bound was over
+it (``spilled_from`` names that one), ``fallback`` for the baselines and retries. Complexity:
+O(replicas x matched blocks) dictionary lookups per request.
 
 The policy does no I/O and records nothing: it returns a ``Decision``; the proxy acts on it and
 counts it. ``RoundRobinPolicy`` and ``LeastLoadedPolicy`` are the baselines to compare with.
@@ -25,6 +48,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -36,16 +60,16 @@ from .index import BranchStats, ShadowIndex
 from .ring import Ring
 
 __all__ = ["Route", "ReplicaView", "Decision", "PrefixAffinityPolicy", "RoundRobinPolicy",
-           "LeastLoadedPolicy", "make_policy"]
+           "LeastLoadedPolicy", "make_policy", "load_bound", "within_bound", "routing_key"]
 
 
 class Route(str, enum.Enum):
     """Which branch chose the replica (the ``route`` label of ``prefix_router_requests_total``)."""
 
     AFFINITY = "affinity"  # the ring's owner of the routing key
-    SPILL = "spill"  # a later ring replica: the owner was overloaded
-    STICKY = "sticky"  # the replica already holding this prompt's history
-    FALLBACK = "fallback"  # everything overloaded (least loaded), or a baseline policy
+    SPILL = "spill"  # the preferred replica was over the load bound
+    STICKY = "sticky"  # a replica other than the owner held more of the prompt
+    FALLBACK = "fallback"  # a retry, or a baseline policy
 
 
 @dataclass(slots=True)
@@ -53,8 +77,9 @@ class ReplicaView:
     """What a policy may know of one routable (healthy) replica."""
 
     name: str
-    load: int  # queue depth at the last scrape + requests sent since
+    load: int  # requests in flight on it, counted at send (``ReplicaState.routing_load``)
     shadow: ShadowIndex
+    recent: float = 0.0  # requests sent to it lately, decayed (``ReplicaState.recent_share``)
 
 
 @dataclass(slots=True)
@@ -70,7 +95,7 @@ class Decision:
     key_depth: int = 0
     key: str = ""  # the ring key
     held_blocks: int = 0  # blocks the chosen replica held now or lately (set by the proxy)
-    spilled_from: str | None = None  # the ring owner, when the route is spill
+    spilled_from: str | None = None  # the replica preferred without the bound, when the route is spill
     matches: dict[str, int] = field(default_factory=dict)
 
 
@@ -86,20 +111,32 @@ def routing_key(branches: BranchStats, max_key_blocks: int, hashes: Sequence[Blo
     return depth, f"p:{full_hash:016x}"
 
 
-def _overloaded(load: int, mean: float, config: RoutingConfig) -> bool:
-    """At or above the spill queue depth; or above ``load_factor`` x mean + 1 with at least half
-    that depth queued. The floor keeps the relative rule from firing on noise: with a fleet
-    mostly idle, two requests in flight exceed 1.5 x mean + 1, and each such spill recomputes a
-    conversation elsewhere (measured on the full Mooncake trace, 8 replicas: 585 spills and 93.7%
-    of the pooled-cache bound with the bare rule, 96.9% with no spill at all). SGLang's router
-    likewise balances only past both a relative and an absolute threshold."""
-    if load >= config.spill_queue_depth:
-        return True
-    return 2 * load >= config.spill_queue_depth and load > config.load_factor * mean + 1
+def load_bound(total: int, replicas: int, load_factor: float, slack: int = 0) -> int:
+    """The most requests one replica may have once it takes the new one:
+    ``ceil(max(load_factor x mean, mean + slack))`` with ``mean = (total + 1) / replicas``, the
+    ``+ 1`` being the new request.
+
+    ``total``: the replicas' loads summed, before the new request. ``slack``: requests over the
+    mean any replica may carry, which matters only at low load, where the relative bound alone
+    would turn away a second request from a replica holding the prompt while the fleet is idle
+    (vLLM runs both in one batch; no queue forms). With ``load_factor`` >= 1 the least loaded
+    replica always fits: its load is at most ``floor(total / replicas)``, and
+    ``ceil((total + 1) / replicas)`` is one more than that. Raises ValueError for no replicas.
+    """
+    if replicas < 1:
+        raise ValueError("no replicas")
+    mean = (total + 1) / replicas
+    # the epsilon keeps float rounding from pushing an exact integer (1.25 x 8 / 2) past itself
+    return math.ceil(max(load_factor * mean, mean + slack) - 1e-9)
+
+
+def within_bound(load: int, bound: int) -> bool:
+    """Whether a replica with ``load`` requests may take one more (``load_bound``)."""
+    return load + 1 <= bound
 
 
 class PrefixAffinityPolicy:
-    """Consistent hashing on the prefix key, bounded by load, with sticky history."""
+    """The longest cached prefix among replicas within a load bound; ties by the ring."""
 
     def __init__(self, config: RoutingConfig, ring: Ring, branches: BranchStats) -> None:
         self.config = config
@@ -117,36 +154,34 @@ class PrefixAffinityPolicy:
         """
         if not replicas:
             raise LookupError("no healthy replica")
-        cfg = self.config
         cap = len(hashes) if max_hit_blocks is None else max_hit_blocks
-        depth, key = routing_key(self.branches, cfg.max_key_blocks, hashes, full_hash, session_key)
+        depth, key = routing_key(self.branches, self.config.max_key_blocks, hashes, full_hash, session_key)
         order = [n for n in self.ring.candidates(key) if n in replicas] or sorted(replicas)
         matches = {n: min(v.shadow.match(hashes), cap) for n, v in replicas.items()}
-        mean = sum(v.load for v in replicas.values()) / len(replicas)
-        fits = {n for n, v in replicas.items() if not _overloaded(v.load, mean, cfg)}
-        best = max(order, key=lambda n: matches[n])  # ties: earliest in ring order
+        cfg = self.config
+        bound = load_bound(sum(v.load for v in replicas.values()), len(replicas), cfg.load_factor, cfg.load_slack)
+        share = load_bound(sum(v.recent for v in replicas.values()), len(replicas), cfg.load_factor, cfg.load_slack)
+        # max() keeps the first of equals, and ``order`` is the ring's: ties go by the key
+        preferred = max(order, key=matches.__getitem__)
         owner = order[0]
-        # Sticky only for history this conversation alone sent: past the key depth and past where
-        # it parted from every prompt seen before. Without the second bound, a session key's
-        # first request would follow a shared system prompt to whichever replica computed it
-        # first (the branch is "shared" only after ``branch_threshold`` conversations).
-        own = max(depth, self.branches.parted_depth(hashes, cfg.max_key_blocks)) if matches[best] >= depth else depth
-        if best in fits and matches[best] >= own and matches[best] > matches[owner]:
-            replica, route = best, Route.STICKY
-        elif owner in fits:
-            replica, route = owner, Route.AFFINITY
-        else:
-            # Spill to the replica that holds most of this prompt (ties: ring order), so the
-            # overflow of one hot prefix lands where earlier overflow already computed it;
-            # with nothing cached anywhere that is the next replica on the ring.
-            spill = [n for n in order if n in fits]
-            if spill:
-                replica, route = max(spill, key=lambda n: matches[n]), Route.SPILL
-            else:
-                replica, route = min(order, key=lambda n: replicas[n].load), Route.FALLBACK
+        fitting = [n for n in order if within_bound(replicas[n].load, bound)]
+        # A replica other than the key's owner must also be within the share bound: the in-flight
+        # bound never acts on requests sent one at a time, which would otherwise all follow a
+        # shared system prompt to the one replica that computed it first. The owner is exempt:
+        # the ring already spreads keys, and a lone conversation stays with its history.
+        fitting = [n for n in fitting if n == owner or within_bound(replicas[n].recent, share)] or fitting
+        if fitting:
+            replica = max(fitting, key=matches.__getitem__)
+        else:  # loads that are not what the bound assumes (negative); not reached otherwise
+            replica = min(order, key=lambda n: replicas[n].load)
+        if replica != preferred:
+            route = Route.SPILL
+        else:  # the preferred replica holds strictly more than the owner unless it is the owner
+            route = Route.AFFINITY if replica == owner else Route.STICKY
         return Decision(replica, route, [replica] + [n for n in order if n != replica],
-                        predicted_blocks=matches[replica], best_blocks=matches[best], best_replica=best,
-                        key_depth=depth, key=key, spilled_from=owner if route is Route.SPILL else None, matches=matches)
+                        predicted_blocks=matches[replica], best_blocks=matches[preferred], best_replica=preferred,
+                        key_depth=depth, key=key, spilled_from=preferred if route is Route.SPILL else None,
+                        matches=matches)
 
 
 class _Baseline:

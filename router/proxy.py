@@ -154,7 +154,10 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
     rejected = await _admit(gw)
     if rejected is not None:
         return rejected
-    healthy = {r.name: ReplicaView(r.name, r.load, r.shadow) for r in gw.replicas.values() if r.routable}
+    now = time.monotonic()
+    half_life = gw.config.routing.share_half_life_s
+    healthy = {r.name: ReplicaView(r.name, r.routing_load, r.shadow, r.recent_share(now, half_life))
+               for r in gw.replicas.values() if r.routable}
     if not healthy:
         return openai_error(503, "no healthy replica", type_="ServiceUnavailableError")
     started = time.perf_counter()
@@ -225,6 +228,7 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
         if replica is None or not replica.breaker.allows(time.monotonic()):
             continue  # dropped by discovery, or its breaker opened, while an earlier attempt ran
         replica.breaker.on_send(time.monotonic())
+        replica.note_sent(time.monotonic(), gw.config.routing.share_half_life_s)
         replica.sent_since_scrape += 1
         gw.admission.notify()  # this request's load is counted: the next waiter, if any, may go
         epoch = replica.scrape_epoch

@@ -9,9 +9,11 @@ that only answered slowly (a busy engine can miss a 1 s health check) keeps its 
 it on every recovery would send its conversations elsewhere and call its hits unpredicted.
 
 Load: ``GET /metrics`` every ``scrape.interval_s`` reads ``vllm:num_requests_waiting`` and
-``vllm:num_requests_running``; between scrapes each request sent counts at once
-(``sent_since_scrape``, until it finishes or the next scrape sees it), so a burst is seen at
-once and finished requests do not linger as load. ``vllm:cache_config_info``
+``vllm:num_requests_running``. The routing bound compares ``routing_load``: this gateway's
+requests in flight, counted the moment each is sent, plus what the engine reported beyond them
+at the last scrape (other gateway instances). Admission compares ``load``: the engine's queue
+plus requests sent since the scrape and still in flight (``sent_since_scrape``), so a burst is
+seen at once and finished requests do not linger as load. ``vllm:cache_config_info``
 gives ``block_size`` and ``num_gpu_blocks`` (the shadow index's capacity, applied by
 ``Gateway.sync_ring``).
 """
@@ -52,6 +54,11 @@ class ReplicaState:
     sent_since_scrape: int = 0  # requests sent since the last scrape and still in flight
     scrape_epoch: int = 0  # counts scrapes, so a finishing request knows if it was counted
     inflight: int = 0  # this gateway's requests on the replica now
+    # requests the engine ran or queued at the last scrape beyond this gateway's own then:
+    # what other gateway instances (or clients going around the gateway) put on it
+    others: int = 0
+    recent: float = 0.0  # requests sent, decayed with routing.share_half_life_s (``note_sent``)
+    recent_at: float = 0.0  # monotonic seconds of the last update of ``recent``
     block_size: int | None = None  # from cache_config_info or the configuration
     num_gpu_blocks: int | None = None
     models: list[str] = field(default_factory=list)
@@ -79,6 +86,24 @@ class ReplicaState:
     def load(self) -> int:
         """Queue depth at the last scrape plus requests sent since: what the policy compares."""
         return self.waiting + self.sent_since_scrape
+
+    @property
+    def routing_load(self) -> int:
+        """What the load bound compares (``policy.load_bound``): this gateway's requests in flight,
+        counted the moment each is sent, plus the other requests the engine reported at the last
+        scrape. Running requests count as well as queued ones: a replica decoding many streams
+        prefills a new prompt more slowly (vLLM batches both into every step)."""
+        return self.inflight + self.others
+
+    def recent_share(self, now: float, half_life_s: float) -> float:
+        """Requests sent to this replica lately: each counts 1 when sent and half as much every
+        ``half_life_s`` seconds after (``now``: monotonic seconds)."""
+        return self.recent * 0.5 ** ((now - self.recent_at) / half_life_s)
+
+    def note_sent(self, now: float, half_life_s: float) -> None:
+        """Count one request sent now in ``recent``."""
+        self.recent = self.recent_share(now, half_life_s) + 1.0
+        self.recent_at = now
 
     def reset_cache_view(self, reason: str) -> None:
         if len(self.shadow):
@@ -158,6 +183,7 @@ def apply_metrics(replica: ReplicaState, text: str) -> None:
     metrics = parse_engine_metrics(text)
     replica.waiting = int(metrics.get("vllm:num_requests_waiting", 0))
     replica.running = int(metrics.get("vllm:num_requests_running", 0))
+    replica.others = max(replica.waiting + replica.running - replica.inflight, 0)
     replica.sent_since_scrape = 0
     replica.scrape_epoch += 1
     queries = metrics.get("vllm:prefix_cache_queries_total", 0.0)

@@ -77,8 +77,8 @@ def query(prom: str, expr: str) -> list:
 def test_every_panel_query_and_alert_expression_returns_data_from_a_real_prometheus(tmp_path):
     sims = [sim_server(tmp_path, ["--model", "sim", "--time-scale", "20"]) for _ in range(3)]
     with running(sims) as replicas:
-        # a shallow spill depth, so the spillover panel has series too
-        (tmp_path / "gateway.yaml").write_text("routing:\n  spill_queue_depth: 1\n")
+        # the tightest load bound, so the spillover panel has series too
+        (tmp_path / "gateway.yaml").write_text("routing:\n  load_factor: 1\n")
         with running([gateway_server(tmp_path, replicas, ["--config", str(tmp_path / "gateway.yaml")])]) as (gateway,):
             port = free_port()
             targets = lambda urls: [u.split("//")[1] for u in urls]  # noqa: E731

@@ -123,17 +123,16 @@ async def test_a_timestamp_in_the_system_prompt_is_counted_as_changed_at_message
 
 
 async def test_a_saturated_replica_spills_and_the_session_sticks_where_its_history_went(fleet, gateway):
-    client = await gateway(await fleet(3), spill_queue_depth=4)
+    client = await gateway(await fleet(3))
     gw = client.server.app[GATEWAY]
     rng = random.Random(5)
     messages = [{"role": "system", "content": text(rng, 100)}, {"role": "user", "content": text(rng, 30)}]
     owner, _ = await chat(client, messages)
-    gw.replicas[owner].waiting = 50  # the owner's queue is deep: the next turn must spill
+    gw.replicas[owner].others = 50  # other gateways loaded the owner: the next turn must spill
     messages += [{"role": "assistant", "content": "a"}, {"role": "user", "content": text(rng, 30)}]
     spilled, _ = await chat(client, messages)
     assert spilled != owner
-    gw.replicas[owner].waiting = 0
-    gw.replicas[owner].sent_since_scrape = 0
+    gw.replicas[owner].others = 0
     messages += [{"role": "assistant", "content": "b"}, {"role": "user", "content": text(rng, 30)}]
     after, usage = await chat(client, messages)
     assert after == spilled  # sticky: the longer history lives where the spill went

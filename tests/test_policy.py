@@ -11,7 +11,7 @@ from router.blocks import BlockHash
 from router.config import RoutingConfig
 from router.index import BranchStats, ShadowIndex
 from router.policy import (LeastLoadedPolicy, PrefixAffinityPolicy, ReplicaView, RoundRobinPolicy, Route,
-                           make_policy)
+                           load_bound, make_policy, within_bound)
 from router.ring import Ring
 
 NAMES = [f"replica-{i}:8000" for i in range(4)]
@@ -68,7 +68,55 @@ def test_prompts_sharing_the_key_blocks_share_a_replica_and_the_rest_does_not_ma
         assert a.key == b.key and a.replica == b.replica
 
 
-# --- load ----------------------------------------------------------------------------------
+# --- the load bound ------------------------------------------------------------------------
+
+# (case, loads before the request, load_factor, load_slack, the bound, which replicas fit).
+# The arithmetic: mean = (sum of loads + 1) / replicas, the + 1 being the new request;
+# bound = ceil(max(load_factor x mean, mean + load_slack)); a replica fits when load + 1 <= bound.
+BOUND_CASES = [
+    ("an idle fleet lets every replica take one request",
+     # mean 1 / 4 = 0.25: ceil(max(0.3125, 0.25)) = 1, and 0 + 1 <= 1
+     [0, 0, 0, 0], 1.25, 0, 1, [True, True, True, True]),
+    ("without slack one busy replica in an idle fleet takes no second request",
+     # mean 2 / 4 = 0.5: ceil(max(0.625, 0.5)) = 1, and 1 + 1 > 1
+     [1, 0, 0, 0], 1.25, 0, 1, [False, True, True, True]),
+    ("with a slack of one it takes a second but not a third",
+     # mean 0.5: ceil(max(0.625, 1.5)) = 2, and 1 + 1 <= 2; then mean 0.75: ceil(1.75) = 2, 2 + 1 > 2
+     [1, 0, 0, 0], 1.25, 1, 2, [True, True, True, True]),
+    ("a second request is one too many once the busy replica holds two",
+     [2, 0, 0, 0], 1.25, 1, 2, [False, True, True, True]),
+    ("an even fleet of one each takes a second request anywhere",
+     # mean 5 / 4 = 1.25: ceil(max(1.5625, 1.25)) = 2, and 1 + 1 <= 2
+     [1, 1, 1, 1], 1.25, 0, 2, [True, True, True, True]),
+    ("a replica a quarter over the mean of a deep fleet still fits",
+     # mean 34 / 4 = 8.5: ceil(max(10.625, 9.5)) = 11; 10 + 1 <= 11, 11 + 1 > 11
+     [10, 11, 6, 6], 1.25, 1, 11, [True, False, True, True]),
+    ("in a deep fleet the factor, not the slack, sets the bound",
+     # mean 81 / 4 = 20.25: ceil(max(25.3125, 21.25)) = 26
+     [25, 26, 15, 14], 1.25, 1, 26, [True, False, True, True]),
+    ("a load factor of 1 without slack is a strict spread",
+     # mean 9 / 4 = 2.25: ceil(2.25) = 3: 2 + 1 <= 3, 3 + 1 > 3
+     [3, 2, 2, 1], 1.0, 0, 3, [False, True, True, True]),
+    ("a looser factor keeps more on a hot replica",
+     # mean 2.25: ceil(max(4.5, 2.25)) = 5: 4 + 1 <= 5
+     [4, 2, 1, 1], 2.0, 0, 5, [True, True, True, True]),
+    ("an exact product is not rounded past itself",
+     # mean 8 / 2 = 4: ceil(1.25 x 4) = ceil(5.0) = 5, not 6 from float noise: 4 + 1 <= 5, 5 + 1 > 5
+     [4, 3], 1.25, 0, 5, [True, True]),
+]
+
+
+@pytest.mark.parametrize("case,loads,factor,slack,bound,fits", BOUND_CASES, ids=[c[0] for c in BOUND_CASES])
+def test_the_load_bound(case, loads, factor, slack, bound, fits):
+    assert load_bound(sum(loads), len(loads), factor, slack) == bound
+    assert [within_bound(load, bound) for load in loads] == fits
+
+
+@pytest.mark.parametrize("loads", [[0], [5, 0], [3, 3, 3, 2], [9, 1, 0, 7], [40, 41, 39, 2, 0, 0, 1, 80]])
+def test_the_least_loaded_replica_always_fits(loads):
+    bound = load_bound(sum(loads), len(loads), 1.0, 0)
+    assert within_bound(min(loads), bound)
+
 
 def _owner_and_views(config, owner_load, other_load):
     policy, ring, _, views = setup(config)
@@ -79,12 +127,10 @@ def _owner_and_views(config, owner_load, other_load):
     return policy, ring, views, hashes, owner
 
 
-def test_an_owner_at_the_spill_queue_depth_spills_to_the_next_ring_candidate():
-    config = RoutingConfig(spill_queue_depth=8, load_factor=1.5)
-    depth = config.spill_queue_depth
-    policy, ring, views, hashes, owner = _owner_and_views(config, owner_load=depth, other_load=depth - 1)
-    mean = sum(v.load for v in views.values()) / len(views)
-    assert depth <= config.load_factor * mean + 1  # only the queue-depth rule applies
+def test_an_owner_over_the_bound_spills_to_the_next_ring_candidate():
+    config = RoutingConfig(load_factor=1.25, load_slack=1)
+    # owner 5, others 2: mean 12 / 4 = 3, ceil(max(3.75, 4)) = 4, and 5 + 1 > 4
+    policy, ring, views, hashes, owner = _owner_and_views(config, owner_load=5, other_load=2)
     d = select(policy, hashes, views)
     assert d.route is Route.SPILL
     assert d.spilled_from == owner
@@ -92,90 +138,61 @@ def test_an_owner_at_the_spill_queue_depth_spills_to_the_next_ring_candidate():
     assert_candidates_complete(d, views)
 
 
-def test_an_owner_just_below_the_spill_queue_depth_keeps_the_request():
-    config = RoutingConfig(spill_queue_depth=8, load_factor=1.5)
-    depth = config.spill_queue_depth
-    policy, _, views, hashes, owner = _owner_and_views(config, owner_load=depth - 1, other_load=depth - 1)
+def test_an_owner_at_the_bound_keeps_the_request():
+    config = RoutingConfig(load_factor=1.25, load_slack=1)
+    # owner 3, others 2: mean 10 / 4 = 2.5, ceil(max(3.125, 3.5)) = 4, and 3 + 1 <= 4
+    policy, _, views, hashes, owner = _owner_and_views(config, owner_load=3, other_load=2)
     d = select(policy, hashes, views)
     assert d.replica == owner and d.route is Route.AFFINITY and d.spilled_from is None
 
 
-def test_an_owner_above_load_factor_times_the_mean_plus_one_spills_even_below_the_queue_depth():
-    config = RoutingConfig(spill_queue_depth=16, load_factor=1.5)
-    other = 2
-    n = len(NAMES)
-    floor = config.spill_queue_depth / 2  # the relative rule needs half the depth queued
-
-    def over_relative(x):  # x > f * (x + 3 * other) / 4 + 1
-        return x > config.load_factor * (x + (n - 1) * other) / n + 1
-
-    owner_load = next(x for x in range(1000) if x >= floor and over_relative(x))
-    assert owner_load < config.spill_queue_depth
-    policy, ring, views, hashes, owner = _owner_and_views(config, owner_load, other)
-    d = select(policy, hashes, views)
-    assert d.route is Route.SPILL and d.spilled_from == owner
-    assert d.replica == ring.candidates(d.key)[1]
-
-
-def test_a_small_load_above_the_relative_bound_but_below_half_the_depth_does_not_spill():
-    config = RoutingConfig(spill_queue_depth=16, load_factor=1.5)
-    n = len(NAMES)
-    # An idle fleet and two requests on the owner: over 1.5 x mean + 1, yet not a queue.
-    owner_load, other = 2, 0
-    assert owner_load > config.load_factor * (owner_load + (n - 1) * other) / n + 1
-    assert 2 * owner_load < config.spill_queue_depth
-    policy, _, views, hashes, owner = _owner_and_views(config, owner_load, other)
-    d = select(policy, hashes, views)
-    assert d.replica == owner and d.route is Route.AFFINITY
-
-
-def test_the_spill_walks_the_ring_past_every_overloaded_candidate():
-    config = RoutingConfig(spill_queue_depth=5)
-    policy, ring, _, views = setup(config)
+def test_the_spill_walks_the_ring_past_every_replica_over_the_bound():
+    policy, ring, _, views = setup(RoutingConfig(load_factor=1.0, load_slack=0))
     hashes = fresh(4)
     order = ring.candidates(select(policy, hashes, views).key)
-    for name in order[:2]:
-        views[name].load = config.spill_queue_depth
-    for name in order[2:]:
-        views[name].load = config.spill_queue_depth - 1
+    for name, load in zip(order, [3, 3, 1, 1]):  # ceil(9 / 4) = 3: the first two are full
+        views[name].load = load
     d = select(policy, hashes, views)
     assert d.replica == order[2] and d.route is Route.SPILL and d.spilled_from == order[0]
 
 
 def test_a_spill_goes_to_the_fitting_replica_holding_most_of_the_prompt_not_just_the_next_one():
-    config = RoutingConfig(spill_queue_depth=5)
-    policy, ring, branches, views = setup(config)
+    policy, ring, _, views = setup(RoutingConfig(load_factor=1.0, load_slack=0))
     hashes = fresh(6)
-    branches.record(hashes[:4] + fresh(2), 64)  # another prompt shares the first 4 blocks: not sticky
     order = ring.candidates(select(policy, hashes, views).key)
-    views[order[0]].load = config.spill_queue_depth  # the owner is overloaded
-    views[order[3]].shadow.insert(hashes[:4])  # an earlier spill computed the shared part there
+    views[order[0]].shadow.insert(hashes)  # the owner holds it all but is full
+    views[order[0]].load = 2  # ceil(3 / 4) = 1: only idle replicas fit
+    views[order[3]].shadow.insert(hashes[:4])  # an earlier spill computed most of it there
     views[order[2]].shadow.insert(hashes[:1])
     d = select(policy, hashes, views)
     assert d.replica == order[3] and d.route is Route.SPILL and d.spilled_from == order[0]
-    assert d.predicted_blocks == 4
-    views[order[3]].load = config.spill_queue_depth  # that one overloaded too: the next best
+    assert d.predicted_blocks == 4 and d.best_blocks == 6 and d.best_replica == order[0]
+    views[order[3]].load = 1  # that one busy too: ceil(4 / 4) = 1, so the next best
     assert select(policy, hashes, views).replica == order[2]
 
 
-def test_when_every_replica_is_overloaded_the_least_loaded_takes_it_as_a_fallback():
-    config = RoutingConfig(spill_queue_depth=4)
-    policy, _, _, views = setup(config)
-    hashes = fresh(4)
-    loads = [config.spill_queue_depth + 7, config.spill_queue_depth + 2, config.spill_queue_depth + 9,
-             config.spill_queue_depth + 5]
-    for view, load in zip(views.values(), loads):
-        view.load = load
-    d = select(policy, hashes, views)
-    assert d.route is Route.FALLBACK
-    assert d.replica == min(views, key=lambda n: views[n].load)
-    assert d.spilled_from is None
-    assert_candidates_complete(d, views)
+def test_a_hot_prefix_concentrates_on_its_holder_until_the_bound_then_spreads_along_the_ring():
+    policy, ring, _, views = setup()
+    doc = fresh(20)  # one document, many questions about it
+    placed = []
+    for _ in range(40):  # all in flight at once: nothing finishes
+        hashes = doc + fresh(2)
+        d = select(policy, hashes, views)
+        views[d.replica].shadow.insert(hashes)
+        views[d.replica].load += 1
+        placed.append(d.replica)
+    loads = sorted(v.load for v in views.values())
+    # The bound holds every replica within ceil(max(1.25 x 10, 10 + 1)) = 13 at the end.
+    assert loads[-1] <= load_bound(40 - 1, 4, 1.25, 1)
+    # The first holder took a second request (mean 0.5: ceil(max(0.625, 1.5)) = 2), not a third
+    # (mean 0.75: ceil(1.75) = 2); later requests joined whichever holders had room.
+    assert placed[0] == placed[1] != placed[2]
+    assert len(set(placed)) == len(NAMES)
 
 
-# --- sticky history ------------------------------------------------------------------------
+# --- the longest cached prefix --------------------------------------------------------------
 
-def test_a_replica_holding_the_prompt_beyond_the_key_depth_wins_over_the_owner_as_sticky():
+def test_a_replica_holding_more_of_the_prompt_wins_over_the_owner_as_sticky():
     policy, ring, _, views = setup()
     hashes = fresh(8)
     owner = select(policy, hashes, views).replica
@@ -198,59 +215,78 @@ def test_history_on_the_owner_itself_is_plain_affinity():
     assert d.replica == owner and d.route is Route.AFFINITY and d.predicted_blocks == len(hashes)
 
 
-def test_an_overloaded_replica_holding_the_history_is_not_sticky():
-    config = RoutingConfig(spill_queue_depth=8)
-    policy, _, _, views = setup(config)
+def test_a_replica_holding_the_history_but_over_the_bound_is_skipped():
+    policy, _, _, views = setup()
     hashes = fresh(8)
     owner = select(policy, hashes, views).replica
     holder = next(n for n in NAMES if n != owner)
     views[holder].shadow.insert(hashes)
-    views[holder].load = config.spill_queue_depth
+    views[holder].load = 2  # others idle: mean 3 / 4, ceil(max(0.9375, 1.75)) = 2, and 2 + 1 > 2
     d = select(policy, hashes, views)
-    assert d.replica == owner and d.route is Route.AFFINITY
+    assert d.replica == owner and d.route is Route.SPILL and d.spilled_from == holder
     assert d.best_replica == holder and d.best_blocks == len(hashes)  # still reported, for miss classes
 
 
-def test_a_shared_system_prompt_held_by_every_replica_does_not_make_one_sticky():
-    config = RoutingConfig(branch_threshold=3)
-    policy, _, branches, views = setup(config)
+def test_a_shared_system_prompt_held_by_every_replica_leaves_the_choice_to_the_ring():
+    policy, ring, _, views = setup()
     system = fresh(5)
-    for _ in range(config.branch_threshold):  # many conversations share the system prompt
-        branches.record(system + fresh(3), config.max_key_blocks)
-    hashes = system + fresh(3)
-    d0 = select(policy, hashes, views)
-    owner = d0.replica
-    assert d0.key_depth == len(system) + 1
-    naive, _, _, _ = setup(config)  # no branch statistics: keys on the first block
-    naive.ring = policy.ring
-    naive_owner = select(naive, hashes, views).replica
-    # Everyone holds the system prompt; the owners lost part of it to eviction, so other
-    # replicas hold more of this prompt than the owner, but only the shared part.
-    for name, view in views.items():
-        view.shadow.insert(system[:2] if name in (owner, naive_owner) else system)
-    d = select(policy, hashes, views)
-    assert d.best_blocks == len(system) < d.key_depth
-    assert d.best_replica not in (owner, naive_owner)
-    assert d.replica == owner and d.route is Route.AFFINITY
-    # Contrast: keyed on the first block, the same holdings do make another replica sticky.
-    # The key depth is what prevents it above.
-    d_naive = select(naive, hashes, views)
-    assert d_naive.key_depth == 1
-    assert d_naive.route is Route.STICKY and d_naive.replica not in (owner, naive_owner)
+    for view in views.values():
+        view.shadow.insert(system)
+    placed = Counter()
+    for i in range(200):
+        hashes = system + fresh(3)
+        d = select(policy, hashes, views, session_key=f"conversation-{i}")
+        assert d.replica == ring.owner(d.key) and d.route is Route.AFFINITY  # a tie: the key decides
+        placed[d.replica] += 1
+    assert set(placed) == set(NAMES) and max(placed.values()) < 2 * 200 / len(NAMES), placed
 
 
-def test_a_conversation_spread_by_the_branch_key_lands_on_several_replicas_despite_a_shared_prefix():
+def test_a_replica_that_alone_holds_more_of_a_shared_prefix_does_not_take_everything():
+    # The first replica to compute a system prompt holds it alone for a while; the bound
+    # keeps that from sending it every new conversation.
+    policy, _, _, views = setup()
+    system = fresh(5)
+    first = NAMES[1]
+    views[first].shadow.insert(system)
+    placed = Counter()
+    for i in range(40):
+        hashes = system + fresh(3)
+        d = select(policy, hashes, views, session_key=f"c{i}")
+        views[d.replica].shadow.insert(hashes)
+        views[d.replica].load += 1
+        placed[d.replica] += 1
+    assert set(placed) == set(NAMES)
+    assert max(placed.values()) <= load_bound(39, 4, 1.25, 1)
+
+
+def test_without_a_session_key_the_branch_key_spreads_conversations_that_share_a_system_prompt():
     config = RoutingConfig(branch_threshold=3)
-    policy, _, branches, views = setup(config)
+    policy, ring, branches, views = setup(config)
     system = fresh(6)
+    for view in views.values():
+        view.shadow.insert(system)  # a tie everywhere: the key decides
     placed = Counter()
     for _ in range(80):
         hashes = system + fresh(4)
         d = select(policy, hashes, views)
         branches.record(hashes, config.max_key_blocks)
-        views[d.replica].shadow.insert(hashes)
         placed[d.replica] += 1
     assert len(placed) == len(NAMES), placed
+    assert d.key_depth == len(system) + 1  # keyed past the shared prompt, by the conversation's first block
+
+
+def test_every_turn_of_a_conversation_follows_its_history_when_the_fleet_is_idle():
+    policy, _, _, views = setup()
+    system = fresh(4)
+    for view in views.values():
+        view.shadow.insert(system)
+    prompt = system + fresh(2)
+    first = select(policy, prompt, views).replica
+    for _ in range(6):
+        views[first].shadow.insert(prompt)
+        prompt = prompt + fresh(3)  # a new turn appends: only the replica that served the last holds it
+        d = select(policy, prompt, views)
+        assert d.replica == first and d.predicted_blocks == len(prompt) - 3
 
 
 # --- session keys, caps, candidates ----------------------------------------------------------
@@ -287,8 +323,7 @@ def test_predicted_blocks_are_capped_by_max_hit_blocks():
 
 
 def test_candidates_start_with_the_chosen_replica_and_name_every_replica_once():
-    config = RoutingConfig(spill_queue_depth=3)
-    policy, _, _, views = setup(config)
+    policy, _, _, views = setup()
     for i in range(100):
         for j, view in enumerate(views.values()):
             view.load = (i * 7 + j * 3) % 6  # a mix of idle and overloaded replicas
@@ -354,3 +389,57 @@ def test_an_empty_replica_map_raises_lookup_error(name):
     policy = make_policy(config, ring, branches)
     with pytest.raises(LookupError):
         policy.select(fresh(3), 1, {})
+
+
+# --- the share bound: requests sent one at a time ---------------------------------------------
+
+def _send(views, name):
+    views[name].recent += 1  # no decay within a test: every request counts 1
+
+
+def test_requests_sent_one_at_a_time_spread_a_shared_system_prompt_over_every_replica():
+    # Nothing is ever in flight, so only the share bound can act: the replica that computed the
+    # system prompt first may not take every new conversation that shares it.
+    policy, _, _, views = setup()
+    system = fresh(5)
+    placed = Counter()
+    for i in range(40):
+        hashes = system + fresh(3)
+        d = select(policy, hashes, views, session_key=f"c{i}")
+        views[d.replica].shadow.insert(hashes)
+        _send(views, d.replica)
+        placed[d.replica] += 1
+    # without the share bound the first holder takes all 40; with it, once every replica holds
+    # the system prompt, the keys' owners take the conversations (as uneven as 40 keys hash)
+    assert set(placed) == set(NAMES)
+    assert max(placed.values()) <= 40 / 2, placed
+
+
+def test_a_lone_conversation_stays_with_its_history_on_the_keys_owner_whatever_its_share():
+    policy, _, _, views = setup()
+    prompt = fresh(4)
+    first = select(policy, prompt, views, session_key="only").replica
+    for _ in range(10):
+        views[first].shadow.insert(prompt)
+        _send(views, first)
+        prompt = prompt + fresh(2)
+        d = select(policy, prompt, views, session_key="only")
+        assert d.replica == first and d.route is Route.AFFINITY
+
+
+def test_a_replica_holding_the_history_but_over_its_share_loses_to_the_owner():
+    policy, _, _, views = setup()
+    hashes = fresh(8)
+    owner = select(policy, hashes, views).replica
+    holder = next(n for n in NAMES if n != owner)
+    views[holder].shadow.insert(hashes[:6])
+    views[holder].recent = 9  # shares 9, 1, 1, 1: ceil(max(1.25 x 13 / 4, 13 / 4 + 1)) = 5
+    for name in NAMES:
+        if name != holder:
+            views[name].recent = 1
+    d = select(policy, hashes, views)
+    assert d.replica == owner and d.route is Route.SPILL and d.spilled_from == holder
+    views[holder].recent = 3  # ceil(max(1.25 x 7 / 4, 7 / 4 + 1)) = 3, and 3 + 1 > 3
+    assert select(policy, hashes, views).replica == owner
+    views[holder].recent = 2  # 2 + 1 <= ceil(max(1.25 x 6 / 4, 6 / 4 + 1)) = 3
+    assert select(policy, hashes, views).replica == holder

@@ -61,3 +61,16 @@ def test_a_replica_back_with_zero_counters_restarted_even_if_no_scrape_saw_them_
     fail_then_recover(replica)
     apply_metrics(replica, page(0))
     assert replica.routable and len(replica.shadow) == 0
+
+
+def test_recent_requests_count_one_each_and_halve_every_half_life():
+    from router.config import ReplicaConfig
+    from router.replicas import ReplicaState
+
+    replica = ReplicaState(ReplicaConfig(url="http://r:8000"), "r:8000")
+    replica.note_sent(100.0, 60.0)
+    replica.note_sent(100.0, 60.0)
+    assert replica.recent_share(100.0, 60.0) == 2.0
+    assert replica.recent_share(160.0, 60.0) == 1.0
+    replica.note_sent(220.0, 60.0)  # 2 halved twice, plus this one
+    assert replica.recent_share(220.0, 60.0) == 1.5
