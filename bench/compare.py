@@ -7,10 +7,20 @@ cache: start the replicas and the system, replay the workload time-compressed, t
 replica's own counters. Each replica models an 80 GB GPU serving an 8B model (28,000 blocks of
 16 tokens, the simulator's default, ``router/sim/config.py``).
 
-Workloads: the Mooncake conversation and synthetic traces (``--traces``; sent as text prompts,
-``load_mooncake(text=True)``, because sglang-router refuses token-id prompts) and the built-in
-agent workload. A missing trace file is left out with a note; with none, the built-in chat
-workload stands in. Then the overhead sweep (``bench/overhead.py``).
+Workloads (the matrix of issue 14): the Mooncake conversation and synthetic traces (``--traces``;
+sent as text prompts, ``load_mooncake(text=True)``, because sglang-router refuses token-id
+prompts), the built-in agent workload, and the ``--shapes``: SGLang's generated-shared-prefix
+benchmark (``gsp``), many sessions sharing one long system prompt (``system``), a dozen
+multi-turn agent sessions on 4 replicas (``dozen``), and ``vllm bench serve``'s own client on
+its ``prefix_repetition`` and shared-prefix ``random`` datasets through chat and completions
+(``vllm-bench``, from the vLLM CPU environment; left out with a note when it is missing). A
+missing trace file is left out with a note; with none, the built-in chat workload stands in.
+Then the overhead sweep (``bench/overhead.py``).
+
+Fairness (``--pin``, on by default with two or more cores): the router under test runs on the
+last core (``taskset``), the replicas and the client on the others, so a router's own CPU
+does not slow the simulated GPUs. ``--runs N`` repeats every cell on fresh replicas and reports
+medians with the spread (min-max).
 
 Per system and workload: token hit rate from the replicas' counters
 (``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total``), its ratio to the
@@ -30,14 +40,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
+import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from router.launch import running, sim_server
+from router.launch import build_tiny_model, find_vllm_python, running, sim_server
 from router.replay.client import replay
 from router.replay.generate import builtin_workload
 from router.replay.summary import summarize
@@ -46,12 +59,19 @@ from router.replay.workloads import load_mooncake
 from .fleet import ROOT, metric_sum, scrape
 from .peers import PEER_PACKAGES, SYSTEMS, System, ensure_peers
 from .pooled import pooled_hit_rate, unbounded_hit_rate
+from .shapes import generated_shared_prefix, one_system_prompt
+from .vllm_bench import VLLM_BENCH_SHAPES, VllmBenchShape, run_vllm_bench, shape_bound
 
 MODEL = "sim"
 TRACES = ROOT.parent / "shared" / "traces"
 DEFAULT_TRACES = (TRACES / "mooncake_conversation.jsonl", TRACES / "mooncake_synthetic.jsonl")
 ROUTES = ("affinity", "sticky", "spill", "fallback")  # prefix_router_requests_total{route}
 RESULTS = ("hit", "miss_cold", "miss_changed", "miss_routed", "miss_evicted")  # ..._cache_requests_total{result}
+SHAPES = ("gsp", "system", "dozen", "vllm-bench")
+# per mode: SGLang GSP groups and its rate (requests per modelled s), sessions of the shared system
+# prompt and their rate (sessions per modelled s)
+SHAPE_SIZES = {"quick": {"gsp_groups": 16, "gsp_rate": 8.0, "system_sessions": 400, "system_rate": 4.0},
+               "full": {"gsp_groups": 64, "gsp_rate": 16.0, "system_sessions": 2000, "system_rate": 8.0}}
 MODES = {  # replicas, requests per trace, agent sessions, time scale, overhead rates and seconds
     "quick": {"replicas": 4, "limit": 150, "sessions": 12, "time_scale": 10.0, "rates": "25,50,100", "seconds": 3.0},
     # past ~150 requests/s the load generator and the replica alone saturate 2 cores (measured:
@@ -61,28 +81,65 @@ MODES = {  # replicas, requests per trace, agent sessions, time scale, overhead 
 }
 
 
-def workloads(traces: list[Path], limit: int, sessions: int) -> list[tuple[str, list]]:
-    """(name, requests) for each trace file present, then the built-in agent workload."""
+@dataclass
+class Workload:
+    """One column of the matrix: replayed ``requests``, or a ``vllm bench serve`` ``shape``."""
+
+    name: str
+    requests: list | None = None
+    shape: VllmBenchShape | None = None
+    replicas: int | None = None  # a fixed fleet size, else the mode's
+
+
+def workloads(traces: list[Path], limit: int, sessions: int, shapes=SHAPES, mode: str = "full") -> list[Workload]:
+    """Each trace file present, the built-in agent workload, then the chosen ``shapes``."""
     out = []
     for path in traces:
         if path.exists():
-            out.append((path.stem, load_mooncake(path, limit=limit, text=True)))
+            out.append(Workload(path.stem, load_mooncake(path, limit=limit, text=True)))
         else:
             print(f"note: {path} not found; left out", file=sys.stderr)
     if not out:
-        out.append(("builtin-chat", builtin_workload("chat", sessions=sessions)))
-    out.append(("builtin-agent", builtin_workload("agent", sessions=sessions)))
+        out.append(Workload("builtin-chat", builtin_workload("chat", sessions=sessions)))
+    out.append(Workload("builtin-agent", builtin_workload("agent", sessions=sessions)))
+    size = SHAPE_SIZES[mode]
+    if "gsp" in shapes:
+        out.append(Workload("sglang generated-shared-prefix",
+                            generated_shared_prefix(groups=size["gsp_groups"], rate=size["gsp_rate"])))
+    if "system" in shapes:
+        out.append(Workload(f"{size['system_sessions']} sessions, one system prompt",
+                            one_system_prompt(sessions=size["system_sessions"], rate=size["system_rate"])))
+    if "dozen" in shapes:
+        out.append(Workload("a dozen agent sessions", builtin_workload("agent", sessions=12, seed=12), replicas=4))
+    if "vllm-bench" in shapes:
+        if find_vllm_python() is None:
+            print("note: no vLLM environment (make vllm-env); vllm bench serve left out", file=sys.stderr)
+        else:
+            out += [Workload(s.name, shape=s) for s in VLLM_BENCH_SHAPES[mode]]
     return out
 
 
-def run_cell(system: System, requests: list, args, peers_bin: Path | None, log_dir: Path) -> dict:
+def _pinned(server, cpus: str | None):
+    return server if not cpus else dataclasses.replace(server, cmd=["taskset", "-c", cpus, *server.cmd])
+
+
+def run_cell(system: System, work: Workload, args, peers_bin: Path | None, log_dir: Path, seed: int = 0) -> dict:
     """One system on one workload, on fresh replicas: counters, latencies and per-request records."""
     sim_args = ["--model", MODEL, "--num-blocks", str(args.num_blocks), "--block-size", str(args.block_size),
                 "--time-scale", str(args.time_scale)]
-    with running([sim_server(log_dir, sim_args) for _ in range(args.replicas)]) as urls:
-        with running([system.server(urls, log_dir, peers_bin)]) as (url,):
+    replicas = work.replicas or args.replicas
+    rest, own_cpu = args.cpus
+    sims = [_pinned(sim_server(log_dir, sim_args), rest) for _ in range(replicas)]
+    with running(sims) as urls:
+        with running([_pinned(system.server(urls, log_dir, peers_bin), own_cpu)]) as (url,):
             started = time.perf_counter()
-            records = asyncio.run(replay(requests, url, model=MODEL, time_scale=args.time_scale))
+            if work.shape is None:
+                records = asyncio.run(replay(work.requests, url, model=MODEL, time_scale=args.time_scale))
+                bench = None
+            else:
+                records = []
+                bench = run_vllm_bench(find_vllm_python(), url, work.shape, args.tokenizer,
+                                       log_dir / "vllm-bench" / system.name.replace(" ", "_"), MODEL, seed, rest)
             wall = time.perf_counter() - started
             own = None if system.is_peer else scrape(url)  # this gateway's routes and miss causes
         pages = [scrape(u) for u in urls]
@@ -90,17 +147,24 @@ def run_cell(system: System, requests: list, args, peers_bin: Path | None, log_d
     queries = [metric_sum(p, "vllm:prefix_cache_queries_total") for p in pages]
     done = [metric_sum(p, "vllm:request_success_total") for p in pages]
     prefill = [q - h for q, h in zip(queries, hits)]  # prompt tokens computed, not reused
-    s = summarize(records, args.time_scale)
-    errors = [r.error for r in records if r.error is not None or r.status != 200]
     fair = lambda xs: max(xs) / (sum(xs) / len(xs)) if sum(xs) else 0.0  # noqa: E731
     modelled = lambda v: None if v is None else v * args.time_scale  # noqa: E731
+    if bench is None:
+        s = summarize(records, args.time_scale)
+        errors = [r.error for r in records if r.error is not None or r.status != 200]
+        times = {**{f"ttft_p{q}_s": modelled(s[f"ttft_p{q}_s"]) for q in (50, 90, 99)},
+                 **{f"latency_p{q}_s": modelled(s[f"latency_p{q}_s"]) for q in (50, 99)}}
+        count = len(records)
+    else:  # vllm bench serve reports wall milliseconds
+        errors = [f"{bench['failed']} failed"] if bench.get("failed") else []
+        times = {**{f"ttft_p{q}_s": modelled(bench[f"p{q}_ttft_ms"] / 1000) for q in (50, 90, 99)},
+                 **{f"latency_p{q}_s": modelled(bench[f"p{q}_e2el_ms"] / 1000) for q in (50, 99)}}
+        count = int(bench["completed"]) + int(bench.get("failed") or 0)
     return {
-        "system": system.name, "requests": len(records), "errors": len(errors),
+        "system": system.name, "requests": count, "errors": len(errors),
         "first_error": errors[0] if errors else None, "wall_s": round(wall, 1),
         "hit_rate": sum(hits) / sum(queries) if sum(queries) else 0.0,
-        "busiest_requests_of_fair": fair(done), "busiest_prefill_of_fair": fair(prefill),
-        **{f"ttft_p{q}_s": modelled(s[f"ttft_p{q}_s"]) for q in (50, 90, 99)},
-        **{f"latency_p{q}_s": modelled(s[f"latency_p{q}_s"]) for q in (50, 99)},
+        "busiest_requests_of_fair": fair(done), "busiest_prefill_of_fair": fair(prefill), **times,
         "reused_per_replica": hits, "requests_per_replica": done,
         "gateway_routes": own and {r: metric_sum(own, "prefix_router_requests_total", route=r) for r in ROUTES},
         "gateway_results": own and {r: metric_sum(own, "prefix_router_cache_requests_total", result=r)
@@ -110,21 +174,50 @@ def run_cell(system: System, requests: list, args, peers_bin: Path | None, log_d
     }
 
 
+MEDIAN_KEYS = ("hit_rate", "busiest_requests_of_fair", "busiest_prefill_of_fair", "ttft_p50_s", "ttft_p90_s",
+               "ttft_p99_s", "latency_p50_s", "latency_p99_s")
+
+
+def combine(runs: list[dict]) -> dict:
+    """One row from repeated runs of a cell: the median of each figure, its (min, max) in
+    ``spread``, errors summed, the first run's records and counters."""
+    row = dict(runs[0])
+    row["runs"] = len(runs)
+    row["errors"] = sum(r["errors"] for r in runs)
+    row["spread"] = {}
+    for key in MEDIAN_KEYS:
+        values = [r[key] for r in runs if r[key] is not None]
+        if values:
+            row[key] = statistics.median(values)
+            row["spread"][key] = (min(values), max(values))
+    return row
+
+
 def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _spread(r: dict, key: str, spec: str) -> str:
+    lo_hi = (r.get("spread") or {}).get(key)
+    if not lo_hi or r.get("runs", 1) < 2:
+        return ""
+    return f" ({format(lo_hi[0], spec)}-{format(lo_hi[1], spec)})"
+
+
 def table(results: dict) -> str:
-    """The Markdown table: one row per workload and system."""
+    """The Markdown table: one row per workload and system; with several runs, medians and the
+    (min-max) spread of hit rate and TTFT."""
     lines = ["| workload | system | token hit rate | of pooled bound | busiest replica: requests / fair | "
              "prefill tokens / fair | TTFT p50 / p90 / p99 (s) | latency p50 / p99 (s) | errors |",
              "|---|---|---|---|---|---|---|---|---|"]
     for w in results["workloads"]:
         for r in w["rows"]:
             lines.append(
-                f"| {w['name']} | {r['system']} | {r['hit_rate']:.3f} | {r['hit_rate'] / w['pooled_bound']:.1%} | "
+                f"| {w['name']} | {r['system']} | {r['hit_rate']:.3f}{_spread(r, 'hit_rate', '.3f')} | "
+                f"{r['hit_rate'] / w['pooled_bound']:.1%} | "
                 f"{r['busiest_requests_of_fair']:.2f} | {r['busiest_prefill_of_fair']:.2f} | "
-                f"{fmt(r['ttft_p50_s'], '.2f')} / {fmt(r['ttft_p90_s'], '.2f')} / {fmt(r['ttft_p99_s'], '.2f')} | "
+                f"{fmt(r['ttft_p50_s'], '.2f')}{_spread(r, 'ttft_p50_s', '.2f')} / {fmt(r['ttft_p90_s'], '.2f')} / "
+                f"{fmt(r['ttft_p99_s'], '.2f')}{_spread(r, 'ttft_p99_s', '.2f')} | "
                 f"{fmt(r['latency_p50_s'], '.2f')} / {fmt(r['latency_p99_s'], '.2f')} | {r['errors']} |")
     return "\n".join(lines)
 
@@ -144,6 +237,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, help="overhead sweep: seconds of load per rate")
     parser.add_argument("--no-overhead", action="store_true", help="skip the overhead sweep")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--shapes", default=",".join(SHAPES),
+                        help=f"workloads beyond the traces and the agent workload: {','.join(SHAPES)}, or none")
+    parser.add_argument("--runs", type=int, default=1, help="runs of every cell; medians and spread reported")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2,
+                        help="the router on the last core, replicas and client on the others (taskset)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     mode = "quick" if args.quick else "full"
@@ -159,6 +257,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown systems {unknown}; choose from {list(known)}")
     args.system_list = [known[n] for n in names]
     args.mode = mode
+    args.shape_list = [] if args.shapes.strip() in ("", "none") else [x.strip() for x in args.shapes.split(",")]
+    bad = [x for x in args.shape_list if x not in SHAPES]
+    if bad:
+        parser.error(f"unknown shapes {bad}; choose from {list(SHAPES)}")
+    cores = os.cpu_count() or 1
+    args.cpus = (f"0-{cores - 2}", str(cores - 1)) if args.pin and cores >= 2 else (None, None)
     return args
 
 
@@ -175,18 +279,31 @@ def main(argv: list[str] | None = None) -> int:
                                        "platform": platform.platform()},
         "peers": dict(PEER_PACKAGES),
         "replicas": args.replicas, "num_blocks": args.num_blocks, "block_size": args.block_size,
-        "time_scale": args.time_scale, "workloads": [],
+        "time_scale": args.time_scale, "runs": args.runs,
+        "pinned": {"router": args.cpus[1], "replicas_and_client": args.cpus[0]} if args.cpus[0] else None,
+        "workloads": [],
     }
-    for name, requests in workloads(args.traces, args.limit, args.sessions):
-        bound = pooled_hit_rate(requests, args.replicas * (args.num_blocks - 1) + 1, args.block_size)
-        unbounded = unbounded_hit_rate(requests, args.block_size)
-        entry = {"name": name, "requests": len(requests), "pooled_bound": bound, "unbounded": unbounded, "rows": []}
+    matrix = workloads(args.traces, args.limit, args.sessions, args.shape_list, args.mode)
+    if any(w.shape is not None for w in matrix):
+        args.tokenizer = build_tiny_model(ROOT / ".cache" / "tiny-tokenizer", tokenizer_only=True)
+    for work in matrix:
+        replicas = work.replicas or args.replicas
+        if work.shape is None:
+            bound = pooled_hit_rate(work.requests, replicas * (args.num_blocks - 1) + 1, args.block_size)
+            unbounded = unbounded_hit_rate(work.requests, args.block_size)
+            count = len(work.requests)
+        else:
+            bound = unbounded = shape_bound(work.shape)
+            count = work.shape.num_prompts
+        entry = {"name": work.name, "requests": count, "replicas": replicas, "pooled_bound": bound,
+                 "unbounded": unbounded, "rows": []}
         results["workloads"].append(entry)
         for system in args.system_list:
-            row = run_cell(system, requests, args, peers_bin, log_dir)
+            row = combine([run_cell(system, work, args, peers_bin, log_dir, seed) for seed in range(args.runs)])
             entry["rows"].append(row)
-            print(f"{name:24} {system.name:28} hit rate {row['hit_rate']:.3f} ({row['hit_rate'] / bound:.0%} of "
-                  f"bound {bound:.3f}), TTFT p99 {fmt(row['ttft_p99_s'], '.2f')} s, errors {row['errors']}, "
+            print(f"{work.name:34} {system.name:28} hit rate {row['hit_rate']:.3f} ({row['hit_rate'] / bound:.0%} of "
+                  f"bound {bound:.3f}), busiest {row['busiest_requests_of_fair']:.2f}, TTFT p50/p99 "
+                  f"{fmt(row['ttft_p50_s'], '.2f')}/{fmt(row['ttft_p99_s'], '.2f')} s, errors {row['errors']}, "
                   f"{row['wall_s']:.0f} s", file=sys.stderr, flush=True)
     if not args.no_overhead:
         results["overhead"] = overhead_sweep(args.system_list, [float(r) for r in args.rates.split(",")],
@@ -202,14 +319,19 @@ def write(results: dict, args) -> None:
     head = (f"{results['mode']} mode: {results['replicas']} simulated replicas x {results['num_blocks']} blocks of "
             f"{results['block_size']} tokens, time scale {results['time_scale']:g}; "
             f"{results['machine']['cores']} cores, Python {results['machine']['python']}; "
-            f"peers {', '.join(f'{k} {v}' for k, v in results['peers'].items())}; {results['wall_s']:.0f} s")
-    bounds = "\n".join(f"- {w['name']}: {w['requests']} requests; pooled bound {w['pooled_bound']:.3f}, "
-                        f"unbounded cache {w['unbounded']:.3f}" for w in results["workloads"])
+            f"peers {', '.join(f'{k} {v}' for k, v in results['peers'].items())}; {results['wall_s']:.0f} s; "
+            f"{results['runs']} run(s) of each cell" + (", medians and (min-max)" if results["runs"] > 1 else "") + "; "
+            + (f"router pinned to CPU {results['pinned']['router']}, replicas and client to CPUs "
+               f"{results['pinned']['replicas_and_client']} (taskset)" if results.get("pinned") else "not pinned"))
+    bounds = "\n".join(f"- {w['name']}: {w['requests']} requests on {w['replicas']} replicas; pooled bound "
+                        f"{w['pooled_bound']:.3f}, unbounded cache {w['unbounded']:.3f}" for w in results["workloads"])
     bounds += ("\n\nThe pooled bound is one LRU cache of the fleet's total capacity serving the requests in "
                "order. When the workload overflows it, LRU on one pool can evict blocks that split caches "
                "keep, so a router can pass 100% of it; the unbounded cache is the true ceiling. TTFT and "
                "latency are wall time at the client x the time scale: every millisecond a router adds, or "
-               "takes from the replicas' share of the cores, counts that many times over.")
+               "takes from the replicas' share of the cores, counts that many times over. The vllm-bench rows' "
+               "bound comes from the dataset's shape (each prefix computed once); their latencies are "
+               "vllm bench serve's own percentiles.")
     text = f"{head}\n\n{bounds}\n\n{table(results)}\n"
     if "overhead" in results:
         text += "\n" + overhead_table(results["overhead"]) + "\n"

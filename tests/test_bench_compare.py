@@ -15,7 +15,9 @@ import pytest
 
 from bench import compare
 from bench.peers import SYSTEMS, ensure_peers
-from bench.pooled import pooled_hit_rate, prompt_token_ids
+from bench.pooled import pooled_hit_rate, prompt_token_ids, unbounded_hit_rate
+from bench.shapes import generated_shared_prefix, one_system_prompt
+from bench.vllm_bench import VllmBenchShape, shape_bound
 from router.replay.generate import builtin_workload
 from router.replay.workloads import ReplayRequest
 
@@ -47,6 +49,40 @@ def test_the_pooled_bound_counts_each_shared_block_once_and_loses_what_it_evicts
     assert pooled_hit_rate(mixed, 6, block) == 0.0  # 6 blocks: the null block and 5 usable
 
 
+def test_the_generated_shared_prefix_shape_is_sglangs_groups_of_one_system_prompt_and_own_questions():
+    requests = generated_shared_prefix(groups=4, per_group=5, system_len=64, question_len=16, output_len=8)
+    assert len(requests) == 20
+    by_group = {}
+    for r in requests:
+        tokens = prompt_token_ids(r)
+        assert len(tokens) == 64 + 16 and r.body["max_tokens"] == 8
+        by_group.setdefault(r.meta["group"], set()).add(tuple(tokens[:64]))
+    assert all(len(prefixes) == 1 for prefixes in by_group.values())  # one system prompt a group
+    assert len({next(iter(p)) for p in by_group.values()}) == 4  # and a different one per group
+    assert [r.at_s for r in requests] == sorted(r.at_s for r in requests)
+    # with each system prompt computed once and nothing else shared, the unbounded cache reuses
+    # (per_group - 1) / per_group of the system prompts' full blocks
+    assert unbounded_hit_rate(requests, 16) == pytest.approx(4 * 4 * 64 / (20 * 80))
+
+
+def test_sessions_sharing_one_system_prompt_append_their_turns():
+    requests = one_system_prompt(sessions=10, system_len=32, output_len=4)
+    systems = {r.body["messages"][0]["content"] for r in requests}
+    assert len(systems) == 1
+    by_session = {}
+    for r in requests:
+        by_session.setdefault(r.session, []).append(r.body["messages"])
+    for turns in by_session.values():
+        for earlier, later in zip(turns, turns[1:]):
+            assert later[: len(earlier)] == earlier
+
+
+def test_the_shape_bound_computes_each_prefix_once():
+    shape = VllmBenchShape("t", "prefix_repetition", False, num_prompts=640, rate=20, prefixes=32,
+                           prefix_len=2000, suffix_len=200)
+    assert shape_bound(shape) == pytest.approx(19 / 20 * 2000 / 2200)
+
+
 def test_the_pooled_bound_reads_chat_prompts_as_the_simulator_renders_them():
     requests = builtin_workload("agent", sessions=2, seed=3)
     tokens = [prompt_token_ids(r) for r in requests]
@@ -62,7 +98,8 @@ def test_a_small_run_of_every_system_adds_up(tmp_path):
     except subprocess.CalledProcessError as exc:
         print(f"peer routers left out: installing them failed ({exc})")
     out = tmp_path / "out"
-    argv = ["--quick", "--traces", "--replicas", "2", "--sessions", "3", "--rates", "20", "--seconds", "1",
+    argv = ["--quick", "--traces", "--shapes", "none", "--replicas", "2", "--sessions", "3", "--rates", "20",
+            "--seconds", "1",
             "--systems", ",".join(s.name for s in systems), "--out", str(out)]
     assert compare.main(argv) == 0
     results = json.loads((out / "results.json").read_text())
