@@ -11,7 +11,7 @@ Per request (``handle_generate``):
    the client did not ask for it, that usage chunk is dropped on the way back. Connect errors,
    5xx answers and header timeouts go to the next ring candidate while nothing has reached
    the client, and each attempt's outcome goes to the replica's circuit breaker.
-4. Stream SSE back line by line as it arrives, with ``x-prefix-router-replica`` naming the
+4. Stream SSE back as it arrives (whole lines, a chunk a write), with ``x-prefix-router-replica`` naming the
    replica. Then classify the cache outcome, update the shadow index, branch statistics and
    conversation memory, count everything in ``GatewayMetrics`` and, when configured, write the
    request's line to the request log (``requestlog.py``).
@@ -296,9 +296,67 @@ def _retarget(decision: Decision, name: str) -> Decision:
                                predicted_blocks=decision.matches.get(name, 0))
 
 
+class _UsageFilter:
+    """A replica's SSE stream, fed in chunks as they arrive, given back in whole lines.
+
+    vLLM ends a stream that asked for ``stream_options.include_usage`` with one event whose
+    ``choices`` is empty and whose ``usage`` carries ``cached_tokens``
+    (``vllm/entrypoints/openai/serving_chat.py``). The filter keeps that usage and, when the
+    client did not ask for it, drops the event and its blank line. A chunk without such an
+    event passes as it is (one bytes object per chunk, however many events it holds); a line
+    cut between two chunks waits for its end.
+    """
+
+    __slots__ = ("keep_usage", "usage", "saw_data", "_tail", "_skip_blank")
+
+    def __init__(self, keep_usage: bool) -> None:
+        self.keep_usage = keep_usage
+        self.usage: dict | None = None
+        self.saw_data = False  # a data event (the first token's) has passed
+        self._tail = b""  # a line not ended yet
+        self._skip_blank = False  # a dropped usage event's blank line is still to come
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The complete lines of ``self._tail + chunk`` to send, usage event filtered."""
+        data = self._tail + chunk if self._tail else chunk
+        cut = data.rfind(b"\n") + 1
+        self._tail = data[cut:]
+        return self._lines(data[:cut])
+
+    def flush(self) -> bytes:
+        """What is left when the stream ended: a last line without its newline."""
+        data, self._tail = self._tail, b""
+        return self._lines(data)
+
+    def _lines(self, data: bytes) -> bytes:
+        if not data:
+            return data
+        if not self.saw_data and b"data: {" in data:
+            self.saw_data = True
+        if b'"usage":{' not in data and not self._skip_blank:
+            return data  # the common case: nothing to look at line by line
+        out = []
+        parts = data.split(b"\n")  # SSE lines end in \n; a \r before it stays with its line
+        for line in [p + b"\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else []):
+            if self._skip_blank and line in (b"\n", b"\r\n"):
+                self._skip_blank = False
+                continue
+            if line.startswith(b"data: {") and b'"usage":{' in line and b'"choices":[]' in line:
+                try:
+                    self.usage = json.loads(line[6:]).get("usage")
+                except (ValueError, AttributeError):
+                    pass
+                if not self.keep_usage:
+                    self._skip_blank = True
+                    continue
+            out.append(line)
+        return b"".join(out)
+
+
 async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: str, decision: Decision,
                  info: PromptInfo, up: _Upstream, t0: float) -> tuple[web.StreamResponse, int]:
-    """Pass the replica's answer to the client (streams line by line), then account for it.
+    """Pass the replica's answer to the client (streams chunk by chunk as they arrive, in whole
+    lines), then account for it.
     Returns the response and the status counted (502 for a stream cut after it started)."""
     usage = None
     ttft = None
@@ -322,7 +380,6 @@ async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: s
             return response, _CLIENT_GONE
         transport = request.transport
         write_timeout = gw.config.limits.client_write_timeout_s
-        skip_blank = False
 
         async def send(data: bytes) -> bool:
             """Write to the client; False when it left or read nothing for the write timeout."""
@@ -340,27 +397,26 @@ async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: s
                 pass
             return False
 
+        events = _UsageFilter(keep_usage=up.client_wants_usage)
         try:
-            async for line in upstream.content:
-                if skip_blank and line in (b"\n", b"\r\n"):
-                    skip_blank = False
-                    continue
-                if line.startswith(b"data: {") and b'"usage":{' in line and b'"choices":[]' in line:
-                    try:
-                        usage = json.loads(line[6:]).get("usage")
-                    except ValueError:
-                        pass
-                    if not up.client_wants_usage:
-                        skip_blank = True
-                        continue
-                elif ttft is None and line.startswith(b"data: {"):
+            # Whatever has arrived goes out in one write: a replica's burst of events (or a
+            # backlog while this process was busy) costs one write, not two per event.
+            async for chunk in upstream.content.iter_any():
+                data = events.feed(chunk)
+                if ttft is None and events.saw_data:
                     ttft = time.perf_counter() - t0
-                if not await send(line):
+                if data and not await send(data):
                     status = _CLIENT_GONE
                     break
+            else:
+                data = events.flush()
+                if data and not await send(data):
+                    status = _CLIENT_GONE
+            usage = events.usage
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # Bytes already reached the client: no retry; end the stream with an error event.
             log.warning("stream from %s ended early: %s", name, type(exc).__name__)
+            usage = events.usage
             error = error_body(502, f"replica {name} stopped streaming ({type(exc).__name__})")
             status = 502 if await send(b"data: " + json.dumps(error).encode() + b"\n\n") else _CLIENT_GONE
         if status != _CLIENT_GONE:
