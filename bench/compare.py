@@ -131,7 +131,8 @@ def run_cell(system: System, work: Workload, args, peers_bin: Path | None, log_d
     rest, own_cpu = args.cpus
     sims = [_pinned(sim_server(log_dir, sim_args), rest) for _ in range(replicas)]
     with running(sims) as urls:
-        with running([_pinned(system.server(urls, log_dir, peers_bin), own_cpu)]) as (url,):
+        extra = ("--config", str(args.gateway_config)) if args.gateway_config and not system.is_peer else ()
+        with running([_pinned(system.server(urls, log_dir, peers_bin, extra), own_cpu)]) as (url,):
             started = time.perf_counter()
             if work.shape is None:
                 records = asyncio.run(replay(work.requests, url, model=MODEL, time_scale=args.time_scale))
@@ -239,6 +240,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--shapes", default=",".join(SHAPES),
                         help=f"workloads beyond the traces and the agent workload: {','.join(SHAPES)}, or none")
+    parser.add_argument("--gateway-config", type=Path, help="a gateway YAML for this gateway's systems (A/B a setting)")
     parser.add_argument("--runs", type=int, default=1, help="runs of every cell; medians and spread reported")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2,
                         help="the router on the last core, replicas and client on the others (taskset)")

@@ -130,7 +130,7 @@ def load_bound(total: int, replicas: int, load_factor: float, slack: int = 0) ->
     return math.ceil(max(load_factor * mean, mean + slack) - 1e-9)
 
 
-def within_bound(load: int, bound: int) -> bool:
+def within_bound(load: float, bound: int) -> bool:
     """Whether a replica with ``load`` requests may take one more (``load_bound``)."""
     return load + 1 <= bound
 
@@ -168,7 +168,10 @@ class PrefixAffinityPolicy:
         # A replica other than the key's owner must also be within the share bound: the in-flight
         # bound never acts on requests sent one at a time, which would otherwise all follow a
         # shared system prompt to the one replica that computed it first. The owner is exempt:
-        # the ring already spreads keys, and a lone conversation stays with its history.
+        # the ring already spreads keys, a lone conversation stays with its history, and a
+        # request no instance knows anything of goes where every instance would send it (walking
+        # past owners over their share gained about a point of reuse in one run and doubled the
+        # gap between two instances: tests/test_discovery.py)
         fitting = [n for n in fitting if n == owner or within_bound(replicas[n].recent, share)] or fitting
         if fitting:
             replica = max(fitting, key=matches.__getitem__)
