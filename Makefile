@@ -38,7 +38,8 @@ bench-sim: $(VENV)/.installed
 	$(VENV)/bin/python -m bench.sim_throughput
 
 # This gateway against round-robin, vllm-router and sglang-router (installed into .venv-peers
-# by the benchmark): quick is under 5 minutes on 2 cores, the full run about 40.
+# by the benchmark): quick is about 25 minutes on 2 cores (ARGS="--shapes none": under 5), the
+# full run about 40 without the issue-14 shapes and an estimated 75 with them.
 bench-compare-quick: $(VENV)/.installed
 	$(VENV)/bin/python -m bench.compare --quick $(ARGS)
 

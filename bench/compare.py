@@ -225,7 +225,7 @@ def table(results: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer replicas and requests: under 5 minutes")
+    parser.add_argument("--quick", action="store_true", help="fewer replicas and requests: about 25 minutes, under 5 with --shapes none")
     parser.add_argument("--traces", type=Path, nargs="*", default=list(DEFAULT_TRACES))
     parser.add_argument("--replicas", type=int, help="simulated replicas per system")
     parser.add_argument("--limit", type=int, help="requests taken from the start of each trace")
