@@ -29,8 +29,8 @@ printed beside it), the busiest replica's share of requests and of prefill
 tokens (1.00 is a perfect spread), TTFT p50/p90/p99 and end-to-end latency p50/p99 at the client
 in modelled seconds (wall x time scale), and errors.
 
-    python -m bench.compare            # full: 8 replicas, 2,000 requests per trace (~40 min on 2 cores)
-    python -m bench.compare --quick    # 4 replicas, 150 requests per trace (under 5 min on 2 cores)
+    python -m bench.compare            # full: 8 replicas, 2,000 requests per trace (~75 min on 2 cores, estimated)
+    python -m bench.compare --quick    # 4 replicas, 150 requests per trace (~25 min on 2 cores)
 
 Writes ``results.md``, ``results.json`` and PNG plots to ``--out`` (full:
 ``bench/results/compare``; quick: ``.cache/bench/compare-quick``) and prints the table.
