@@ -285,3 +285,8 @@ def test_an_error_from_a_file_names_the_nested_key(tmp_path):
     path = write(tmp_path, "routing:\n  virtual_nodes: many\n")
     with pytest.raises(ConfigError, match=r"^routing\.virtual_nodes:"):
         load_config(path)
+
+
+def test_a_removed_setting_names_what_replaced_it():
+    with pytest.raises(ConfigError, match=r"routing\.spill_queue_depth: no longer a setting; .*routing\.load_factor"):
+        config_from_dict({"routing": {"spill_queue_depth": 8}})
