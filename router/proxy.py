@@ -227,8 +227,9 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
         replica = gw.replicas.get(name)
         if replica is None or not replica.breaker.allows(time.monotonic()):
             continue  # dropped by discovery, or its breaker opened, while an earlier attempt ran
-        replica.breaker.on_send(time.monotonic())
-        replica.note_sent(time.monotonic(), gw.config.routing.share_half_life_s)
+        sent_at = time.monotonic()
+        replica.breaker.on_send(sent_at)
+        replica.note_sent(sent_at, gw.config.routing.share_half_life_s)
         replica.sent_since_scrape += 1
         gw.admission.notify()  # this request's load is counted: the next waiter, if any, may go
         epoch = replica.scrape_epoch
@@ -412,13 +413,12 @@ async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: s
                 data = events.flush()
                 if data and not await send(data):
                     status = _CLIENT_GONE
-            usage = events.usage
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # Bytes already reached the client: no retry; end the stream with an error event.
             log.warning("stream from %s ended early: %s", name, type(exc).__name__)
-            usage = events.usage
             error = error_body(502, f"replica {name} stopped streaming ({type(exc).__name__})")
             status = 502 if await send(b"data: " + json.dumps(error).encode() + b"\n\n") else _CLIENT_GONE
+        usage = events.usage
         if status != _CLIENT_GONE:
             with contextlib.suppress(ConnectionError):
                 await response.write_eof()
