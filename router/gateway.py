@@ -24,7 +24,7 @@ from .causes import Change
 from .changes import ChangeSites
 from .config import GatewayConfig, ReplicaConfig
 from .conversations import Conversations
-from .index import BranchStats
+from .index import BranchStats, PrefixDemand
 from .metrics import GatewayMetrics
 from .policy import make_policy
 from .prompts import PromptInfo
@@ -55,7 +55,8 @@ class Gateway:
         self.metrics = metrics or GatewayMetrics()
         self.ring = Ring(config.routing.virtual_nodes)
         self.branches = BranchStats(config.routing.branch_threshold, config.index.max_branch_blocks)
-        self.policy = make_policy(config.routing, self.ring, self.branches)
+        self.demand = PrefixDemand(config.routing.share_half_life_s, config.index.max_branch_blocks)
+        self.policy = make_policy(config.routing, self.ring, self.branches, self.demand)
         self.conversations = Conversations(config.index.max_conversations)
         self.replicas: dict[str, ReplicaState] = {}
         for rc in config.replicas:
@@ -188,5 +189,6 @@ class Gateway:
                               "token_position": s.token_position, "count": s.count}
                              for s in sorted(self.changes.sites.values(), key=lambda s: -s.count)[:10]],
             "branch_blocks": len(self.branches),
+            "demand_blocks": len(self.demand),
             "conversations": len(self.conversations),
         }

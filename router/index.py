@@ -13,16 +13,22 @@ block followed by many different continuations ends a prefix shared by many conv
 (a common system prompt or tool list); the routing key must reach past it, to the first block
 specific to the conversation, or every conversation sharing that prefix lands on one replica
 (the failure the field notes report for peer routers). Bounded by an LRU of ``max_blocks``.
+
+``PrefixDemand``: for each block, the share of recent requests whose prompt passed through it.
+A prefix whose share is more than its holders can serve at their fair share is hot and must be
+replicated; any other prefix is cold and is best left where it is (``policy``).
 """
 
 from __future__ import annotations
 
+import heapq
+import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from .blocks import BlockHash
 
-__all__ = ["ShadowIndex", "BranchStats"]
+__all__ = ["ShadowIndex", "BranchStats", "PrefixDemand"]
 
 
 class ShadowIndex:
@@ -180,3 +186,54 @@ class BranchStats:
             if table.get(hashes[i]) is shared:
                 depth = i + 2
         return depth
+
+
+class PrefixDemand:
+    """The share of recent requests whose prompt passed through each block, decayed.
+
+    ``record`` adds one request, weighted ``2 ** (t / half_life_s)`` so that older requests
+    count half as much every ``half_life_s`` without touching every entry (weights are rescaled
+    when they grow past ``2 ** 50``); ``share`` divides by the total weight, which the same
+    decay applies to. Chained hashes make a deeper block's share at most its parent's: the
+    share of the deepest block a replica holds is the share of traffic that wants that prefix.
+
+    Memory: one float per block seen within the first ``depth`` blocks of a prompt, at most
+    ``max_blocks``; past it the half with the least weight is dropped, so hot prefixes stay.
+    """
+
+    def __init__(self, half_life_s: float = 60.0, max_blocks: int = 500_000) -> None:
+        if half_life_s <= 0:
+            raise ValueError(f"half_life_s must be positive, got {half_life_s}")
+        if max_blocks < 2:
+            raise ValueError(f"max_blocks must be at least 2, got {max_blocks}")
+        self.half_life_s = half_life_s
+        self.max_blocks = max_blocks
+        self._weight: dict[BlockHash, float] = {}
+        self._total = 0.0
+        self._origin: float | None = None  # monotonic seconds at which a request weighs 1
+
+    def __len__(self) -> int:
+        return len(self._weight)
+
+    def record(self, hashes: Sequence[BlockHash], depth: int, now: float) -> None:
+        """Count one request through the first ``depth`` of ``hashes`` (``now``: monotonic s)."""
+        if self._origin is None:
+            self._origin = now
+        exponent = (now - self._origin) / self.half_life_s
+        if exponent > 50:  # rebase before the weights overflow: every ratio is unchanged
+            scale = 0.5 ** exponent
+            self._weight = {b: w * scale for b, w in self._weight.items() if w * scale > 1e-9}
+            self._total *= scale
+            self._origin, exponent = now, 0.0
+        w = 2.0 ** exponent
+        weight = self._weight
+        self._total += w
+        for h in hashes[:depth]:
+            weight[h] = weight.get(h, 0.0) + w
+        if len(weight) > self.max_blocks:
+            keep = heapq.nlargest(self.max_blocks // 2, weight.items(), key=operator.itemgetter(1))
+            self._weight = dict(keep)
+
+    def share(self, block: BlockHash) -> float:
+        """Of the recent requests, the fraction whose prompt passed through ``block`` (0 to 1)."""
+        return self._weight.get(block, 0.0) / self._total if self._total else 0.0

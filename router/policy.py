@@ -15,6 +15,12 @@
    sent lately (``ReplicaView.recent``, decayed with ``share_half_life_s``) of every replica but
    the key's owner: traffic that arrives one request at a time has nothing in flight, and would
    otherwise follow a shared system prompt to the one replica that computed it first.
+   A replica holding a cold prefix of the prompt (``_holds_cold_prefix``: the replicas holding
+   it could serve its recent demand at their fair share, ``PrefixDemand``) keeps the request up
+   to looser bounds (``holder_load_factor`` in flight, ``holder_share_factor`` in share, with
+   ``holder_slack``): spilling it would recompute a prefix, a document, a conversation's
+   history, to relieve a load that one more copy of that prefix cannot cure. A hot prefix, one
+   system prompt behind most requests, gets no such leave and spreads at the bound.
 3. Choice: among replicas within the bound, the one holding most of the prompt; ties go in ring
    order of the request's key. The key is the session key when the caller gives one (a client's
    session id, or a chat's opening, ``PromptInfo.opening``), else the block chain through the
@@ -29,8 +35,9 @@ What this does to each traffic shape:
 shape                              outcome
 =================================  =============================================================
 a conversation's later turns       its history lives on one replica: that replica holds the most
-a document shared by many prompts  they follow it to its holder until the holder is full, then
-                                   one spill computes it on another replica, and both serve it
+a document shared by many prompts  they follow it to its holder, up to the holder bounds while
+                                   the document is cold; a hot one spills at the bound, is
+                                   computed on another replica, and both serve it
 one system prompt, many sessions   everyone holds it (a tie): sessions spread by their own keys
 nothing cached anywhere            the ring owner of the key, or the next within the bound
 =================================  =============================================================
@@ -56,7 +63,7 @@ import xxhash
 
 from .blocks import BlockHash
 from .config import RoutingConfig
-from .index import BranchStats, ShadowIndex
+from .index import BranchStats, PrefixDemand, ShadowIndex
 from .ring import Ring
 
 __all__ = ["Route", "ReplicaView", "Decision", "PrefixAffinityPolicy", "RoundRobinPolicy",
@@ -138,10 +145,12 @@ def within_bound(load: float, bound: int) -> bool:
 class PrefixAffinityPolicy:
     """The longest cached prefix among replicas within a load bound; ties by the ring."""
 
-    def __init__(self, config: RoutingConfig, ring: Ring, branches: BranchStats) -> None:
+    def __init__(self, config: RoutingConfig, ring: Ring, branches: BranchStats,
+                 demand: PrefixDemand | None = None) -> None:
         self.config = config
         self.ring = ring
         self.branches = branches
+        self.demand = demand if demand is not None else PrefixDemand(config.share_half_life_s)
 
     def select(self, hashes: Sequence[BlockHash], full_hash: int, replicas: Mapping[str, ReplicaView],
                session_key: str | None = None, max_hit_blocks: int | None = None) -> Decision:
@@ -159,20 +168,36 @@ class PrefixAffinityPolicy:
         order = [n for n in self.ring.candidates(key) if n in replicas] or sorted(replicas)
         matches = {n: min(v.shadow.match(hashes), cap) for n, v in replicas.items()}
         cfg = self.config
-        bound = load_bound(sum(v.load for v in replicas.values()), len(replicas), cfg.load_factor, cfg.load_slack)
-        share = load_bound(sum(v.recent for v in replicas.values()), len(replicas), cfg.load_factor, cfg.load_slack)
+        n = len(replicas)
+        total_load = sum(v.load for v in replicas.values())
+        total_share = sum(v.recent for v in replicas.values())
+        bound = load_bound(total_load, n, cfg.load_factor, cfg.load_slack)
+        share = load_bound(total_share, n, cfg.load_factor, cfg.load_slack)
+        holder_bound = load_bound(total_load, n, cfg.holder_load_factor, cfg.holder_slack)
+        holder_share = load_bound(total_share, n, cfg.holder_share_factor, cfg.holder_slack)
         # max() keeps the first of equals, and ``order`` is the ring's: ties go by the key
         preferred = max(order, key=matches.__getitem__)
         owner = order[0]
-        fitting = [n for n in order if within_bound(replicas[n].load, bound)]
-        # A replica other than the key's owner must also be within the share bound: the in-flight
-        # bound never acts on requests sent one at a time, which would otherwise all follow a
-        # shared system prompt to the one replica that computed it first. The owner is exempt:
-        # the ring already spreads keys, a lone conversation stays with its history, and a
-        # request no instance knows anything of goes where every instance would send it (walking
-        # past owners over their share gained about a point of reuse in one run and doubled the
-        # gap between two instances: tests/test_discovery.py)
-        fitting = [n for n in fitting if n == owner or within_bound(replicas[n].recent, share)] or fitting
+
+        def fits(r: str, load_limit: int, share_limit: int) -> bool:
+            # A replica other than the key's owner must also be within the share bound: the
+            # in-flight bound never acts on requests sent one at a time, which would otherwise
+            # all follow a shared system prompt to the one replica that computed it first. The
+            # owner is exempt: the ring already spreads keys, a lone conversation stays with its
+            # history, and a request no instance knows anything of goes where every instance
+            # would send it (walking past owners over their share gained about a point of reuse
+            # in one run and doubled the gap between two instances: tests/test_discovery.py)
+            view = replicas[r]
+            return within_bound(view.load, load_limit) and (r == owner or within_bound(view.recent, share_limit))
+
+        fitting = [r for r in order if fits(r, bound, share)]
+        if not fitting:  # the share bound turned away everyone within the in-flight bound
+            fitting = [r for r in order if within_bound(replicas[r].load, bound)]
+        # The holder's leave: a replica past the bounds that alone holds more of the prompt than
+        # any fitting one, where that prefix is cold, keeps it up to the holder bounds.
+        most = max((matches[r] for r in fitting), default=0)
+        fitting += [r for r in order if r not in fitting and matches[r] > most
+                    and fits(r, holder_bound, holder_share) and self._holds_cold_prefix(r, hashes, matches)]
         if fitting:
             replica = max(fitting, key=matches.__getitem__)
         else:  # loads that are not what the bound assumes (negative); not reached otherwise
@@ -185,6 +210,19 @@ class PrefixAffinityPolicy:
                         predicted_blocks=matches[replica], best_blocks=matches[preferred], best_replica=preferred,
                         key_depth=depth, key=key, spilled_from=preferred if route is Route.SPILL else None,
                         matches=matches)
+
+
+    def _holds_cold_prefix(self, name: str, hashes: Sequence[BlockHash], matches: Mapping[str, int]) -> bool:
+        """Whether ``name`` holds a prefix of the prompt that its holders can serve at their
+        fair share: the share of recent requests through the deepest block it holds, times the
+        replicas, is at most the replicas holding that deep (``PrefixDemand``). Moving such a
+        request recomputes the prefix and relieves nothing replication would cure; a hot prefix
+        (one system prompt behind every conversation) must be replicated, and is not cold."""
+        depth = matches[name]
+        if depth <= 0:
+            return False
+        holders = sum(1 for m in matches.values() if m >= depth)
+        return self.demand.share(hashes[depth - 1]) * len(matches) <= holders
 
 
 class _Baseline:
@@ -230,10 +268,10 @@ class LeastLoadedPolicy(_Baseline):
         return sorted(replicas, key=lambda n: (replicas[n].load, n))
 
 
-def make_policy(config: RoutingConfig, ring: Ring, branches: BranchStats):
-    """The policy the configuration names."""
+def make_policy(config: RoutingConfig, ring: Ring, branches: BranchStats, demand: PrefixDemand | None = None):
+    """The policy the configuration names (``demand``: the gateway's, which the proxy records)."""
     if config.policy == "round-robin":
         return RoundRobinPolicy(config, branches)
     if config.policy == "least-loaded":
         return LeastLoadedPolicy(config, branches)
-    return PrefixAffinityPolicy(config, ring, branches)
+    return PrefixAffinityPolicy(config, ring, branches, demand)

@@ -165,6 +165,7 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
     decision = gw.policy.select(info.hashes, info.full_hash, healthy, key, gw.max_hit_blocks(info))
     gw.metrics.routing_seconds.observe(time.perf_counter() - started)
     gw.branches.record(info.hashes, gw.config.routing.max_key_blocks)
+    gw.demand.record(info.hashes, gw.config.routing.max_key_blocks, now)
     upstream_request = _Upstream(path, payload, {**_forward_headers(request, gw), "Content-Type": "application/json"},
                                  stream, client_wants_usage, body)
     return await _forward(request, gw, decision, info, upstream_request)

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from router.blocks import BlockHash, block_hashes, seed_hash
-from router.index import BranchStats, ShadowIndex
+from router.index import BranchStats, PrefixDemand, ShadowIndex
 
 _fresh = itertools.count(1_000_000)
 
@@ -210,3 +210,69 @@ def test_blocks_evicted_lately_are_still_recognised_as_once_held():
     assert index.match_ever(old) == len(old)
     index.clear()
     assert index.match_ever(old) == 0
+
+
+# --- prefix demand ---------------------------------------------------------------------------
+
+def test_demand_is_the_share_of_requests_through_each_block():
+    demand = PrefixDemand(half_life_s=60)
+    system, a, b = fresh(3), fresh(2), fresh(2)
+    for _ in range(3):
+        demand.record(system + a, depth=10, now=0.0)
+    demand.record(system + b, depth=10, now=0.0)
+    assert demand.share(system[0]) == pytest.approx(1.0)
+    assert demand.share(a[-1]) == pytest.approx(3 / 4)
+    assert demand.share(b[0]) == pytest.approx(1 / 4)
+    assert demand.share(fresh(1)[0]) == 0.0
+
+
+def test_demand_past_the_recorded_depth_is_not_counted():
+    demand = PrefixDemand()
+    hashes = fresh(5)
+    demand.record(hashes, depth=2, now=0.0)
+    assert [demand.share(h) for h in hashes] == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_an_empty_demand_shares_nothing():
+    assert PrefixDemand().share(BlockHash(7)) == 0.0
+
+
+@pytest.mark.parametrize("age_s, expected", [
+    # one old request for ``old`` and one new one for ``new``: the old one weighs 2 ** -(age / 60)
+    (0.0, 1 / 2),
+    (60.0, 0.5 / 1.5),
+    (120.0, 0.25 / 1.25),
+])
+def test_older_requests_count_half_as_much_every_half_life(age_s, expected):
+    demand = PrefixDemand(half_life_s=60)
+    old, new = fresh(2), fresh(2)
+    demand.record(old, depth=2, now=1000.0)
+    demand.record(new, depth=2, now=1000.0 + age_s)
+    assert demand.share(old[0]) == pytest.approx(expected)
+    assert demand.share(new[0]) == pytest.approx(1 - expected)
+
+
+def test_weights_are_rebased_long_after_the_first_request_without_changing_any_share():
+    demand = PrefixDemand(half_life_s=1)
+    hot, cold = fresh(1), fresh(1)
+    for step in range(0, 200, 10):  # 200 half-lives: weights up to 2 ** 200 without the rebase
+        for _ in range(3):
+            demand.record(hot, depth=1, now=float(step))
+        demand.record(cold, depth=1, now=float(step))
+    assert demand.share(hot[0]) == pytest.approx(3 / 4)
+    assert demand._origin > 0  # rebased at least once
+
+
+def test_demand_memory_is_bounded_and_keeps_the_hot_blocks():
+    demand = PrefixDemand(max_blocks=100)
+    system = fresh(4)
+    for _ in range(300):
+        demand.record(system + fresh(4), depth=8, now=0.0)
+        assert len(demand) <= 100
+    assert demand.share(system[-1]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("kwargs", [{"half_life_s": 0}, {"max_blocks": 1}])
+def test_demand_rejects_settings_that_cannot_work(kwargs):
+    with pytest.raises(ValueError):
+        PrefixDemand(**kwargs)

@@ -37,6 +37,12 @@ def select(policy, hashes, views, **kw):
     return policy.select(hashes, full_hash=int(hashes[-1]) ^ 0xABC if hashes else 1, replicas=views, **kw)
 
 
+def wanted(policy, hashes, times=1):
+    """Record ``times`` requests for ``hashes`` in the policy's demand, as the proxy does."""
+    for _ in range(times):
+        policy.demand.record(hashes, len(hashes), now=0.0)
+
+
 def assert_candidates_complete(decision, views):
     assert decision.candidates[0] == decision.replica
     assert sorted(decision.candidates) == sorted(views)
@@ -164,6 +170,7 @@ def test_a_spill_goes_to_the_fitting_replica_holding_most_of_the_prompt_not_just
     views[order[0]].load = 2  # ceil(3 / 4) = 1: only idle replicas fit
     views[order[3]].shadow.insert(hashes[:4])  # an earlier spill computed most of it there
     views[order[2]].shadow.insert(hashes[:1])
+    wanted(policy, hashes)  # every recent request wanted this prompt: hot, no holder's leave
     d = select(policy, hashes, views)
     assert d.replica == order[3] and d.route is Route.SPILL and d.spilled_from == order[0]
     assert d.predicted_blocks == 4 and d.best_blocks == 6 and d.best_replica == order[0]
@@ -180,6 +187,7 @@ def test_a_hot_prefix_concentrates_on_its_holder_until_the_bound_then_spreads_al
         d = select(policy, hashes, views)
         views[d.replica].shadow.insert(hashes)
         views[d.replica].load += 1
+        wanted(policy, hashes)
         placed.append(d.replica)
     loads = sorted(v.load for v in views.values())
     # The bound holds every replica within ceil(max(1.25 x 10, 10 + 1)) = 13 at the end.
@@ -188,6 +196,28 @@ def test_a_hot_prefix_concentrates_on_its_holder_until_the_bound_then_spreads_al
     # (mean 0.75: ceil(1.75) = 2); later requests joined whichever holders had room.
     assert placed[0] == placed[1] != placed[2]
     assert len(set(placed)) == len(NAMES)
+
+
+def test_documents_each_wanted_by_a_few_requests_stay_on_one_holder_each_past_the_bound():
+    # SGLang's generated-shared-prefix shape: 8 documents, questions about each in turn, all in
+    # flight. Each document draws 1/8 of the demand, and 1/8 x 4 replicas <= 1 holder: cold, so
+    # its holder keeps its questions past the bound (up to the holder bound) instead of
+    # computing the document a second time elsewhere.
+    policy, _, _, views = setup()
+    docs = [[BlockHash(100 * d + i) for i in range(20)] for d in range(8)]  # fixed: the ring's spread is known
+    holders = {d: set() for d in range(8)}
+    for q in range(64):
+        d = q % 8
+        hashes = docs[d] + [BlockHash(5_000 + q)]
+        decision = select(policy, hashes, views)
+        views[decision.replica].shadow.insert(hashes)
+        views[decision.replica].load += 1
+        wanted(policy, hashes)
+        holders[d].add(decision.replica)
+    assert all(len(h) == 1 for h in holders.values()), holders
+    loads = sorted(v.load for v in views.values())
+    assert loads[-1] > load_bound(63, 4, 1.25, 1)  # the plain bound would have replicated
+    assert loads[-1] <= load_bound(63, 4, 2.0, 2)
 
 
 # --- the longest cached prefix --------------------------------------------------------------
@@ -215,16 +245,48 @@ def test_history_on_the_owner_itself_is_plain_affinity():
     assert d.replica == owner and d.route is Route.AFFINITY and d.predicted_blocks == len(hashes)
 
 
-def test_a_replica_holding_the_history_but_over_the_bound_is_skipped():
-    policy, _, _, views = setup()
-    hashes = fresh(8)
+def _holder_of_history(policy, views, hashes, hot: bool):
     owner = select(policy, hashes, views).replica
     holder = next(n for n in NAMES if n != owner)
     views[holder].shadow.insert(hashes)
-    views[holder].load = 2  # others idle: mean 3 / 4, ceil(max(0.9375, 1.75)) = 2, and 2 + 1 > 2
+    wanted(policy, hashes)  # this conversation's earlier turn: all of the demand for its history...
+    if not hot:  # ...unless three other conversations sent as much meanwhile
+        for _ in range(3):
+            wanted(policy, fresh(8))
+    return owner, holder
+
+
+def test_a_replica_holding_a_hot_history_but_over_the_bound_is_skipped():
+    policy, _, _, views = setup()
+    hashes = fresh(8)
+    owner, holder = _holder_of_history(policy, views, hashes, hot=True)
+    # share 1 x 4 replicas > 1 holder: hot. Others idle: mean 3 / 4, ceil(max(0.9375, 1.75)) = 2,
+    # and 2 + 1 > 2
+    views[holder].load = 2
     d = select(policy, hashes, views)
     assert d.replica == owner and d.route is Route.SPILL and d.spilled_from == holder
     assert d.best_replica == holder and d.best_blocks == len(hashes)  # still reported, for miss classes
+
+
+@pytest.mark.parametrize("case, load, others, keeps", [
+    # share 1/4 x 4 replicas <= 1 holder: cold. The bound is (1.25, slack 1); the holder bound
+    # (2, slack 2)
+    # mean 3 / 4: bound ceil(max(0.9375, 1.75)) = 2, and 2 + 1 > 2; holder ceil(max(1.5, 2.75)) = 3
+    ("over the bound at low load, within the holder bound", 2, 0, True),
+    # mean 11 / 4: bound ceil(max(3.4375, 3.75)) = 4, 4 + 1 > 4; holder ceil(max(5.5, 4.75)) = 6
+    ("over the bound at load, within the holder bound", 4, 2, True),
+    # mean 7 / 4: holder ceil(max(3.5, 3.75)) = 4, and 6 + 1 > 4
+    ("past the holder bound", 6, 0, False),
+])
+def test_a_replica_holding_a_cold_history_keeps_it_past_the_bound_up_to_the_holder_bound(case, load, others, keeps):
+    policy, _, _, views = setup()
+    hashes = fresh(8)
+    owner, holder = _holder_of_history(policy, views, hashes, hot=False)
+    for name in NAMES:
+        views[name].load = load if name == holder else others
+    d = select(policy, hashes, views)
+    assert (d.replica == holder) is keeps, case
+    assert d.route is (Route.STICKY if keeps else Route.SPILL)
 
 
 def test_a_shared_system_prompt_held_by_every_replica_leaves_the_choice_to_the_ring():
@@ -254,6 +316,7 @@ def test_a_replica_that_alone_holds_more_of_a_shared_prefix_does_not_take_everyt
         d = select(policy, hashes, views, session_key=f"c{i}")
         views[d.replica].shadow.insert(hashes)
         views[d.replica].load += 1
+        wanted(policy, hashes)
         placed[d.replica] += 1
     assert set(placed) == set(NAMES)
     assert max(placed.values()) <= load_bound(39, 4, 1.25, 1)
@@ -393,8 +456,9 @@ def test_an_empty_replica_map_raises_lookup_error(name):
 
 # --- the share bound: requests sent one at a time ---------------------------------------------
 
-def _send(views, name):
+def _send(policy, views, name, hashes):
     views[name].recent += 1  # no decay within a test: every request counts 1
+    wanted(policy, hashes)
 
 
 def test_requests_sent_one_at_a_time_spread_a_shared_system_prompt_over_every_replica():
@@ -407,7 +471,7 @@ def test_requests_sent_one_at_a_time_spread_a_shared_system_prompt_over_every_re
         hashes = system + fresh(3)
         d = select(policy, hashes, views, session_key=f"c{i}")
         views[d.replica].shadow.insert(hashes)
-        _send(views, d.replica)
+        _send(policy, views, d.replica, hashes)
         placed[d.replica] += 1
     # without the share bound the first holder takes all 40; with it, once every replica holds
     # the system prompt, the keys' owners take the conversations (as uneven as 40 keys hash)
@@ -421,25 +485,30 @@ def test_a_lone_conversation_stays_with_its_history_on_the_keys_owner_whatever_i
     first = select(policy, prompt, views, session_key="only").replica
     for _ in range(10):
         views[first].shadow.insert(prompt)
-        _send(views, first)
+        _send(policy, views, first, prompt)
         prompt = prompt + fresh(2)
         d = select(policy, prompt, views, session_key="only")
         assert d.replica == first and d.route is Route.AFFINITY
 
 
-def test_a_replica_holding_the_history_but_over_its_share_loses_to_the_owner():
+@pytest.mark.parametrize("hot, holder_share, keeps", [
+    # hot, the share bound (1.25, slack 1): shares 4, 1, 1, 1: ceil(max(1.25 x 8 / 4, 8 / 4 + 1)) = 3
+    (True, 4, False),
+    (True, 1, True),  # shares 1, 1, 1, 1: ceil(max(1.5625, 2.25)) = 3, and 1 + 1 <= 3
+    # cold, the holder's share bound (1.5, slack 2): shares 4, 1, 1, 1: ceil(max(3, 4)) = 4 takes
+    # 3, not 4; shares 9, 1, 1, 1: ceil(max(4.875, 5.25)) = 6
+    (False, 3, True),
+    (False, 4, False),
+    (False, 9, False),
+])
+def test_a_replica_holding_the_history_but_over_its_share_loses_to_the_owner(hot, holder_share, keeps):
     policy, _, _, views = setup()
     hashes = fresh(8)
-    owner = select(policy, hashes, views).replica
-    holder = next(n for n in NAMES if n != owner)
-    views[holder].shadow.insert(hashes[:6])
-    views[holder].recent = 9  # shares 9, 1, 1, 1: ceil(max(1.25 x 13 / 4, 13 / 4 + 1)) = 5
+    owner, holder = _holder_of_history(policy, views, hashes, hot=hot)
     for name in NAMES:
-        if name != holder:
-            views[name].recent = 1
+        views[name].recent = holder_share if name == holder else 1
     d = select(policy, hashes, views)
-    assert d.replica == owner and d.route is Route.SPILL and d.spilled_from == holder
-    views[holder].recent = 3  # ceil(max(1.25 x 7 / 4, 7 / 4 + 1)) = 3, and 3 + 1 > 3
-    assert select(policy, hashes, views).replica == owner
-    views[holder].recent = 2  # 2 + 1 <= ceil(max(1.25 x 6 / 4, 6 / 4 + 1)) = 3
-    assert select(policy, hashes, views).replica == holder
+    if keeps:
+        assert d.replica == holder and d.route is Route.STICKY
+    else:
+        assert d.replica == owner and d.route is Route.SPILL and d.spilled_from == holder
