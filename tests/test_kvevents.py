@@ -271,3 +271,37 @@ async def test_catch_up_fetches_a_last_batch_no_later_message_revealed_and_ignor
     await stream.receive(2, payloads[2])  # delivered after all: the same batch, not a restart
     assert stream.restarts == 0 and stream.view.match([roots[0][0]]) == 1
     assert await stream.catch_up() == 0  # nothing new
+
+
+# --- the view against the simulated engine ------------------------------------------------
+
+def test_the_view_holds_exactly_what_the_engine_caches_through_evictions_and_stays_within_its_blocks():
+    """A small simulated engine (vLLM's prefix-cache rules, router/sim/kv_cache.py) under a
+    random workload of shared prefixes, salts and adapters that overflows it many times: after
+    every step the view built from its events holds the same blocks as its cache."""
+    import random as _random
+
+    from router.sim.config import SimConfig
+    from router.sim.scheduler import Scheduler, SimRequest
+
+    served = "served-model"
+    scheduler = Scheduler(SimConfig(model=served, block_size=BS, num_gpu_blocks=48, max_model_len=150,
+                                    max_num_batched_tokens=64, max_num_seqs=4))
+    scheduler.kv.record_events = True
+    v = EngineView(BS, lambda lora, salt: seed_hash(lora or served, salt))
+    rng = _random.Random(5)
+    documents = [[rng.randrange(1000) for _ in range(rng.randrange(8, 40))] for _ in range(6)]
+    t = 0.0
+    for i in range(200):
+        prompt = rng.choice(documents) + [rng.randrange(1000) for _ in range(rng.randrange(1, 30))]
+        scheduler.add(SimRequest(f"r{i}", prompt, rng.randrange(1, 12), model=rng.choice([served, served, "lora-a"]),
+                                 cache_salt=rng.choice([None, None, "tenant"])))
+        while scheduler.has_work and rng.random() < 0.7:
+            step = scheduler.schedule()
+            t += 1.0
+            scheduler.finish_step(step, t)
+            for event in decode_batch(encode(*scheduler.kv.take_events())).events:
+                v.apply(event)
+            assert set(v._blocks) == set(scheduler.kv.cached), i
+            assert len(v) <= scheduler.kv.num_gpu_blocks
+    assert v.orphans == 0 and v.stored > 3 * scheduler.kv.num_gpu_blocks  # it overflowed, many times
