@@ -102,6 +102,8 @@ async def follow_events(gw: Gateway) -> None:
             now = time.monotonic()
             for name in [n for n in tasks if n not in gw.replicas]:  # dropped by discovery
                 tasks.pop(name).cancel()
+            for name in [n for n in asked if n not in gw.replicas]:
+                del asked[name]
             for replica in list(gw.replicas.values()):
                 if replica.name in tasks or not replica.models or now - asked.get(replica.name, -1e9) < RETRY_SOURCES_S:
                     continue

@@ -37,6 +37,9 @@ class _KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 
 
 class BlockStored(_KVCacheEvent):
+    """Full blocks newly cached: their hashes, their parent's (None at a prompt's start), their
+    token ids, the block size, LoRA, medium, and per block the extra keys (the cache salt)."""
+
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
@@ -54,6 +57,8 @@ class BlockStored(_KVCacheEvent):
 
 
 class BlockRemoved(_KVCacheEvent):
+    """Blocks evicted from the prefix cache."""
+
     block_hashes: list[int]
     medium: str | None
     group_idx: int | None = None
@@ -62,7 +67,7 @@ class BlockRemoved(_KVCacheEvent):
 
 
 class AllBlocksCleared(_KVCacheEvent):
-    pass
+    """The prefix cache was reset."""
 
 
 class EventPublisher:
