@@ -22,6 +22,7 @@ subscribes to every replica builds the same picture.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -83,6 +84,10 @@ class EventStream:
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         sub.connect(self.endpoint)
         try:
+            # what the engine published before this gateway started (an idle engine may publish
+            # nothing more for a long time): its buffer, or an empty stream
+            with contextlib.suppress(zmq.ZMQError):
+                await self.catch_up()
             while True:
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:
@@ -106,7 +111,11 @@ class EventStream:
         async with self._lock:
             start = 0 if self.last_seq is None else self.last_seq + 1
             replayed = await self._replay(start, 1 << 62)
+            if replayed is None:
+                return 0
             if not replayed:
+                if self.last_seq is None:
+                    self.last_seq = -1  # the engine has published nothing: its cache is empty, and so is the view
                 return 0
             if replayed[0][0] != start:
                 self._lose(f"batches {start}-{replayed[0][0] - 1} missed, and the publisher no longer buffers them")

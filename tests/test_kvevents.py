@@ -273,6 +273,33 @@ async def test_catch_up_fetches_a_last_batch_no_later_message_revealed_and_ignor
     assert await stream.catch_up() == 0  # nothing new
 
 
+async def test_a_stream_started_before_the_engine_published_anything_is_fresh_and_empty(publisher):
+    stream = stream_for(publisher)
+    assert not stream.fresh  # nothing heard yet
+    assert await stream.catch_up() == 0
+    assert stream.fresh and len(stream.view) == 0
+    root, event = _root(110)
+    publisher.publish([event])
+    await stream.receive(0, publisher._buffer[0][1])
+    assert stream.view.match([root]) == 1 and stream.gaps_lost == 0
+
+
+async def test_a_stream_started_on_a_busy_engine_replays_its_buffer_at_once(publisher):
+    roots = [_root(i) for i in range(120, 125)]
+    for _, event in roots:
+        publisher.publish([event])
+    stream = stream_for(publisher)
+    task = asyncio.create_task(stream.run())
+    try:
+        for _ in range(100):  # no live message comes: the engine went idle
+            await asyncio.sleep(0.02)
+            if stream.fresh:
+                break
+        assert stream.fresh and all(stream.view.match([h]) == 1 for h, _ in roots)
+    finally:
+        task.cancel()
+
+
 # --- the view against the simulated engine ------------------------------------------------
 
 def test_the_view_holds_exactly_what_the_engine_caches_through_evictions_and_stays_within_its_blocks():
