@@ -13,8 +13,13 @@ Per request (``handle_generate``):
    the client, and each attempt's outcome goes to the replica's circuit breaker.
 4. Stream SSE back as it arrives (whole lines, a chunk a write), with ``x-prefix-router-replica`` naming the
    replica. Then classify the cache outcome, update the shadow index, branch statistics and
-   conversation memory, count everything in ``GatewayMetrics`` and, when configured, write the
-   request's line to the request log (``requestlog.py``).
+   conversation memory, check the replica's KV events showed the prompt's blocks
+   (``cacheview.check_parity``), count everything in ``GatewayMetrics`` and, when configured,
+   write the request's line to the request log (``requestlog.py``).
+
+Routing reads each replica's cache as its KV events report it while they are fresh
+(``ReplicaState.cache_index``), else the shadow index; both count a request's blocks from the
+moment it is sent.
 
 In-flight slots are released in ``finally``, so errors and client disconnects free them.
 """
