@@ -51,7 +51,7 @@ RETRY_SOURCES_S = 30.0  # a replica that publishes no events is asked again this
 
 def _on_host(address: str | None, host: str) -> str | None:
     """A bind address (``tcp://*:5557``) as a connect address on ``host``."""
-    if not address or not address.startswith("tcp://"):
+    if not isinstance(address, str) or not address.startswith("tcp://"):
         return None
     bound, _, port = address[len("tcp://"):].rpartition(":")
     if bound in ("*", "0.0.0.0", "::", "[::]", ""):
@@ -100,15 +100,23 @@ async def follow_events(gw: Gateway) -> None:
     try:
         while True:
             now = time.monotonic()
-            for name in [n for n in tasks if n not in gw.replicas]:  # dropped by discovery
-                tasks.pop(name).cancel()
+            for name in [n for n in tasks if n not in gw.replicas or tasks[n].done()]:
+                task = tasks.pop(name)  # dropped by discovery, or its stream failed (logged): try again
+                task.cancel()
+                replica = gw.replicas.get(name)
+                if replica is not None and replica.stream is not None and replica.stream.stopped:
+                    replica.stream = None
             for name in [n for n in asked if n not in gw.replicas]:
                 del asked[name]
             for replica in list(gw.replicas.values()):
                 if replica.name in tasks or not replica.models or now - asked.get(replica.name, -1e9) < RETRY_SOURCES_S:
                     continue
                 asked[replica.name] = now
-                found = await event_endpoints(gw, replica)
+                try:
+                    found = await event_endpoints(gw, replica)
+                except Exception:  # noqa: BLE001 - a replica's odd answer must not stop the others' streams
+                    log.exception("replica %s: reading its KV event sources failed", replica.name)
+                    continue
                 if found is None:
                     continue
                 endpoint, replay = found

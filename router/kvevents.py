@@ -53,6 +53,7 @@ class BlockStored:
     medium: str | None = None
     cache_salt: str | None = None  # from the first block's extra keys, for a prompt's first blocks
     group_idx: int | None = None
+    opaque: bool = False  # extra keys the gateway does not hash (images, prompt embeds): not matchable
 
 
 @dataclasses.dataclass(slots=True)
@@ -87,16 +88,51 @@ _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size"
 _REMOVED_FIELDS = ("block_hashes", "medium")
 
 
+def _unhashable_extras(extra_keys: Any) -> bool:
+    """Whether any block's extra keys carry what the gateway's hashes leave out: multimodal
+    inputs (``(mm_identifier, offset)`` pairs) or prompt-embeds digests (bytes). Two images behind
+    the same placeholder tokens would otherwise share one gateway hash."""
+    if not isinstance(extra_keys, list):
+        return False
+    return any(isinstance(k, (list, tuple, bytes)) for keys in extra_keys if isinstance(keys, (list, tuple))
+               for k in keys)
+
+
 def _salt(extra_keys: Any, lora_name: str | None) -> str | None:
     """The cache salt in the first block's extra keys: its string entries are the LoRA name
     (when set) then the salt; ``(mm_identifier, offset)`` pairs are lists
     (``kv_cache_utils.generate_block_hash_extra_keys``, ``to_event_extra_keys``)."""
-    if not extra_keys or not extra_keys[0]:
+    if not isinstance(extra_keys, list) or not extra_keys or not isinstance(extra_keys[0], (list, tuple)):
         return None
     strings = [k for k in extra_keys[0] if isinstance(k, str)]
     if lora_name is not None and strings and strings[0] == lora_name:
         strings = strings[1:]
     return strings[0] if strings else None
+
+
+_MAX_TOKEN = 1 << 63  # token ids are hashed as signed 64-bit integers (blocks.extend_block_hashes)
+
+
+def _hashes(value: Any) -> list[EngineHash]:
+    if not isinstance(value, list) or not all(isinstance(h, (bytes, int)) and not isinstance(h, bool) for h in value):
+        raise TypeError("block hashes must be a list of bytes or integers")
+    return value
+
+
+def _parent(value: Any) -> EngineHash | None:
+    if value is not None and (not isinstance(value, (bytes, int)) or isinstance(value, bool)):
+        raise TypeError("a parent block hash must be bytes or an integer")
+    return value
+
+
+def _tokens(value: Any) -> list[int]:
+    if not isinstance(value, list) or not all(type(t) is int and -_MAX_TOKEN <= t < _MAX_TOKEN for t in value):
+        raise TypeError("token ids must be a list of 64-bit integers")
+    return value
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _event(raw: Any) -> Event | None:
@@ -110,12 +146,19 @@ def _event(raw: Any) -> Event | None:
         return None
     tag = raw.get("type")
     if tag == "BlockStored":
-        lora = raw.get("lora_name")
-        return BlockStored(list(raw["block_hashes"]), raw.get("parent_block_hash"), list(raw["token_ids"]),
-                           int(raw["block_size"]), lora, raw.get("medium"), _salt(raw.get("extra_keys"), lora),
-                           raw.get("group_idx"))
+        lora = _text(raw.get("lora_name"))
+        size = raw["block_size"]
+        if type(size) is not int or size < 1:
+            raise TypeError("block_size must be a positive integer")
+        group = raw.get("group_idx")
+        extra = raw.get("extra_keys")
+        return BlockStored(_hashes(raw["block_hashes"]), _parent(raw.get("parent_block_hash")),
+                           _tokens(raw["token_ids"]), size, lora, _text(raw.get("medium")),
+                           _salt(extra, lora), group if type(group) is int else None, _unhashable_extras(extra))
     if tag == "BlockRemoved":
-        return BlockRemoved(list(raw["block_hashes"]), raw.get("medium"), raw.get("group_idx"))
+        group = raw.get("group_idx")
+        return BlockRemoved(_hashes(raw["block_hashes"]), _text(raw.get("medium")),
+                            group if type(group) is int else None)
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     return None  # an event type this gateway does not know: skipped
@@ -126,12 +169,12 @@ def decode_batch(payload: bytes) -> EventBatch:
     unknown types are skipped."""
     try:
         raw = _decoder.decode(payload)
-        ts, events = raw[0], raw[1]
-        rank = raw[2] if len(raw) > 2 else None
+        ts, events = float(raw[0]), raw[1]
+        rank = raw[2] if len(raw) > 2 and type(raw[2]) is int else None
         decoded = [e for e in map(_event, events) if e is not None]
-    except (msgspec.DecodeError, KeyError, IndexError, TypeError, ValueError) as exc:
-        raise ValueError(f"not a KV event batch: {exc}") from exc
-    return EventBatch(float(ts), decoded, rank)
+    except Exception as exc:  # anything a publisher can send: malformed, nested too deep, wrong types
+        raise ValueError(f"not a KV event batch: {type(exc).__name__}: {exc}"[:300]) from None
+    return EventBatch(ts, decoded, rank)
 
 
 class EngineView:
@@ -160,7 +203,9 @@ class EngineView:
         self._blocks: dict[BlockHash, int] = {}  # gateway hash -> engine hashes holding it
         self._ghosts: OrderedDict[BlockHash, None] = OrderedDict()
         self.stored = 0  # blocks stored, ever
-        self.orphans = 0  # stored blocks whose parent the view never saw (events lost)
+        self.orphans = 0  # stored blocks whose parent the view never saw (events lost, or an opaque parent)
+        self.opaque = 0  # stored blocks with inputs the gateway does not hash (images, prompt embeds)
+        self.misshapen = 0  # stored events whose token ids are not their blocks' (null or masked blocks)
         self.foreign_block_size = 0  # stored events in another block size than the gateway's
 
     def __len__(self) -> int:
@@ -232,6 +277,12 @@ class EngineView:
             return
         if event.block_size != self.block_size:
             self.foreign_block_size += 1
+            return
+        if event.opaque:
+            self.opaque += len(event.block_hashes)
+            return
+        if len(event.token_ids) != len(event.block_hashes) * event.block_size:
+            self.misshapen += 1  # vLLM leaves null and masked blocks out of the hashes, not the tokens
             return
         if event.parent_block_hash is None:
             ours: list[BlockHash] = []

@@ -145,6 +145,11 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
     extra: dict = {}
     if stream and not client_wants_usage:  # the engine reports cached_tokens; dropped on the way back
         extra["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and "kv_cache_report_mode" in xargs:
+        # "full" makes vLLM publish BlockStored again for every block a request reuses, with no
+        # BlockRemoved to match: the events every gateway reads would hold those blocks forever
+        extra["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
     session = _session_key(request, body, gw)
     if tenant is not None:
         salt = gw.tenants.salt(tenant, body.get("cache_salt"))

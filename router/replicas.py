@@ -122,7 +122,7 @@ class ReplicaState:
             log.info("replica %s: %s; clearing its shadow index", self.name, reason)
         self.shadow.clear()
         if self.stream is not None:
-            self.stream.view.clear()  # the new process publishes from an empty cache
+            self.stream.reset()  # the new process publishes from an empty cache, counting from 0
 
 
 def parse_engine_metrics(text: str) -> dict:

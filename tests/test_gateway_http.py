@@ -441,3 +441,14 @@ async def test_when_every_replica_is_down_requests_get_503_and_ready_is_503(flee
         assert set(error) == ERROR_FIELDS and error["code"] == 503
     assert (await client.get("/v1/models")).status == 503
     assert (await client.get("/health")).status == 200  # the gateway itself is alive
+
+
+async def test_a_request_for_full_kv_cache_reports_is_forwarded_without_it(echo, gateway):
+    """vLLM's ``kv_cache_report_mode: full`` republishes every reused block as stored, with no
+    removal to match: the KV events every gateway reads would hold those blocks forever."""
+    replica = await echo()
+    client = await gateway([replica.server])
+    body = {"model": MODEL, "prompt": "hello", "vllm_xargs": {"kv_cache_report_mode": "full", "keep": 1}}
+    assert (await client.post("/v1/completions", json=body)).status == 200
+    sent = json.loads(replica.requests[-1][2])
+    assert sent["vllm_xargs"] == {"keep": 1} and sent["prompt"] == "hello"

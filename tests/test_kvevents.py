@@ -25,7 +25,7 @@ def seed(lora, salt):
 
 
 def stored(hashes, parent, tokens, salt=None, **kw):
-    extra = [(salt,)] + [None] * (len(hashes) - 1) if salt else None
+    extra = kw.pop("extra_keys", [(salt,)] + [None] * (len(hashes) - 1) if salt else None)
     return sim_events.BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS,
                                   lora_id=None, medium="GPU", lora_name=None, extra_keys=extra, **kw)
 
@@ -332,3 +332,45 @@ def test_the_view_holds_exactly_what_the_engine_caches_through_evictions_and_sta
             assert set(v._blocks) == set(scheduler.kv.cached), i
             assert len(v) <= scheduler.kv.num_gpu_blocks
     assert v.orphans == 0 and v.stored > 3 * scheduler.kv.num_gpu_blocks  # it overflowed, many times
+
+
+class _Raw(bytes):
+    """Bytes sent as they are (msgspec cannot even encode what they decode to)."""
+
+
+HOSTILE = [
+    ("a timestamp that is no number", [None, []]),
+    ("a batch nested past any recursion limit", _Raw(b"\x91" * 100_000 + b"\x90")),  # [[[...[]...]]]
+    ("hashes that are lists", [1.0, [{"type": "BlockRemoved", "block_hashes": [[1]], "medium": "GPU"}]]),
+    ("a parent that is a map", [1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": {"a": 1},
+                                       "token_ids": [1, 2, 3, 4], "block_size": 4}]]),
+    ("float token ids", [1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                                "token_ids": [1.5, 2, 3, 4], "block_size": 4}]]),
+    ("token ids past 64 bits", [1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                                       "token_ids": [1 << 64 - 1, 2, 3, 4], "block_size": 4}]]),
+    ("a block size of zero", [1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                                     "token_ids": [1, 2, 3, 4], "block_size": 0}]]),
+]
+
+
+@pytest.mark.parametrize("case, raw", HOSTILE, ids=[c for c, _ in HOSTILE])
+async def test_whatever_a_publisher_sends_is_counted_and_skipped_and_the_stream_goes_on(case, raw):
+    stream = EventStream("replica-0", "tcp://127.0.0.1:1", None, view())
+    await stream.receive(0, raw if isinstance(raw, _Raw) else msgspec.msgpack.encode(raw))
+    root, event = _root(130)
+    await stream.receive(1, encode(event))
+    assert stream.undecodable == 1, case
+    assert stream.fresh and stream.view.match([root]) == 1
+
+
+def test_blocks_carrying_images_or_prompt_embeds_are_not_matched_by_their_tokens_alone():
+    v = view()
+    tokens = list(range(8))
+    through_the_wire(v, stored([1, 2], None, tokens, extra_keys=[(("image-digest", 0),), None]))
+    assert v.match(block_hashes(tokens, BS, seed(None, None))) == 0 and v.opaque == 2
+
+
+def test_an_event_whose_tokens_are_not_its_blocks_is_skipped():
+    v = view()
+    through_the_wire(v, stored([1], None, list(range(8))))  # two blocks of tokens, one hash: a null block left out
+    assert len(v) == 0 and v.misshapen == 1
