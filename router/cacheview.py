@@ -120,7 +120,8 @@ async def follow_events(gw: Gateway) -> None:
                 if found is None:
                     continue
                 endpoint, replay = found
-                view = EngineView(replica.block_size or gw.block_size, _seeder(replica))
+                capacity = replica.num_gpu_blocks or replica.shadow.capacity
+                view = EngineView(replica.block_size or gw.block_size, _seeder(replica), max_blocks=2 * capacity + 1024)
                 replica.stream = EventStream(
                     replica.name, endpoint, replay, view, topic=gw.config.kv_events.topic,
                     rebuild_blocks=lambda r=replica: r.num_gpu_blocks or r.shadow.capacity,

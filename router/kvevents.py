@@ -187,12 +187,16 @@ class EngineView:
     Counts are kept per engine hash: vLLM may cache one hash in two blocks (two requests
     computed it before either was cached) and removes each separately. Memory: one entry per
     block the engine holds, so at most its ``num_gpu_blocks`` entries (about 200 bytes each in
-    CPython), plus ``max_ghosts`` removed hashes remembered for ``held_lately``.
+    CPython), plus ``max_ghosts`` removed hashes remembered for ``held_lately`` and as many blocks
+    routed but not yet confirmed; events that would take it past ``max_blocks`` (set to twice the
+    replica's capacity) are not a real cache's, and make the view ``overflowed``.
     """
 
     def __init__(self, block_size: int, seed: Callable[[str | None, str | None], BlockHash],
-                 max_ghosts: int = 100_000, pending_s: float = 2.0) -> None:
+                 max_ghosts: int = 100_000, pending_s: float = 2.0, max_blocks: int = 1 << 22) -> None:
         self.block_size = block_size
+        self.max_blocks = max_blocks  # past this many engine hashes the events cannot be a real cache's
+        self.overflowed = False
         self.seed = seed
         self.max_ghosts = max_ghosts
         self.pending_s = pending_s
@@ -255,6 +259,7 @@ class EngineView:
 
     def clear(self) -> None:
         """Forget everything (``AllBlocksCleared``, an engine restart, an unrepaired gap)."""
+        self.overflowed = False
         self._engine.clear()
         self._blocks.clear()
         self._ghosts.clear()
@@ -295,6 +300,9 @@ class EngineView:
             ours, seed = [], parent[0]
         extend_block_hashes(ours, event.token_ids, self.block_size, seed)
         engine, blocks, ghosts = self._engine, self._blocks, self._ghosts
+        if len(engine) + len(ours) > self.max_blocks:
+            self.overflowed = True  # EventStream marks the view stale
+            return
         for engine_hash, h in zip(event.block_hashes, ours):
             entry = engine.get(engine_hash)
             if entry is None:

@@ -249,6 +249,8 @@ class EventStream:
                 self.undecodable += 1
         self.batches += 1
         self.events += len(batch.events)
+        if self.view.overflowed:
+            self.mark_stale(f"the events describe more blocks than the replica holds ({self.view.max_blocks})")
         self.last_event_at = time.monotonic()
         if self.stale and self._rebuild_left > 0:
             self._rebuild_left -= self.view.stored - stored_before

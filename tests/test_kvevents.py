@@ -374,3 +374,11 @@ def test_an_event_whose_tokens_are_not_its_blocks_is_skipped():
     v = view()
     through_the_wire(v, stored([1], None, list(range(8))))  # two blocks of tokens, one hash: a null block left out
     assert len(v) == 0 and v.misshapen == 1
+
+
+async def test_events_describing_more_blocks_than_the_replica_holds_make_the_view_stale():
+    stream = EventStream("replica-0", "tcp://127.0.0.1:1", None, EngineView(BS, seed, max_blocks=3))
+    await stream.receive(0, encode(stored([1, 2], None, list(range(8)))))
+    assert stream.fresh
+    await stream.receive(1, encode(stored([3, 4], 2, list(range(8, 16)))))  # 4 > 3: no real cache
+    assert not stream.fresh and "more blocks than the replica holds" in stream.stale_reason
