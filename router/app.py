@@ -18,6 +18,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .cacheview import follow_events
 from .config import GatewayConfig
 from .discovery import discover_once, poll_dns
 from .gateway import Gateway
@@ -88,6 +89,8 @@ def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None) 
                  asyncio.create_task(_sync_loop(gw, min(config.scrape.interval_s, config.health.interval_s) / 2))]
         if config.discovery.dns:
             tasks.append(asyncio.create_task(poll_dns(gw, config.discovery)))
+        if config.kv_events.enabled:
+            tasks.append(asyncio.create_task(follow_events(gw)))
         yield
         for task in tasks:
             task.cancel()

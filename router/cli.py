@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -37,6 +38,10 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
                    help="Hugging Face tokenizer folder (needed for exact chat token ids); "
                         "default: built-in byte tokenizer")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-events-config", type=json.loads, default=None, metavar="JSON",
+                   help="publish KV cache events as vLLM does, e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                        "\"replay_endpoint\": \"tcp://*:5558\"}'")
     p.set_defaults(func=_run_sim)
 
 
@@ -55,6 +60,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         max_model_len=max_model_len, prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_ms_per_token=args.decode_ms_per_token, time_scale=args.time_scale,
         default_max_tokens=args.default_max_tokens, tokenizer=args.tokenizer, seed=args.seed,
+        kv_events=args.kv_events_config,
     )
     try:
         app = create_app(config, load_tokenizer(args.tokenizer))

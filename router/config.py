@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 import yaml
 
 __all__ = ["POLICIES", "ConfigError", "ReplicaConfig", "RoutingConfig", "IndexConfig",
-           "HealthConfig", "ScrapeConfig", "UpstreamConfig", "LimitsConfig", "DiscoveryConfig", "BreakerConfig",
+           "HealthConfig", "ScrapeConfig", "UpstreamConfig", "LimitsConfig", "DiscoveryConfig", "KvEventsConfig", "BreakerConfig",
            "AdmissionConfig", "ChangesConfig", "TenantConfig", "AuthConfig", "GatewayConfig",
            "load_config", "config_from_dict"]
 
@@ -61,6 +61,11 @@ class ReplicaConfig:
     block_size: int | None = None  # tokens per KV block; None: read from vllm:cache_config_info
     num_gpu_blocks: int | None = None  # KV capacity in blocks; None: from vllm:cache_config_info
     weight: int = 1  # virtual-node multiplier on the ring: 2 gets twice the share of keys
+    # the replica's KV event publisher and replay socket (vLLM --kv-events-config "endpoint" and
+    # "replay_endpoint" as seen from the gateway, e.g. tcp://vllm-0:5557); None: found through
+    # the replica's GET /kv_event_sources, or kv_events.port when that is not served
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -215,6 +220,26 @@ class DiscoveryConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class KvEventsConfig:
+    """vLLM's KV cache events: each replica's cache as the engine reports it (router/kvevents.py)."""
+
+    # follow the events of every replica that publishes them (its GET /kv_event_sources names
+    # the endpoints, or replicas[].kv_events does); false: the gateway's own guess only
+    enabled: bool = True
+    # for replicas that do not serve /kv_event_sources (vLLM before 0.32) and have no
+    # replicas[].kv_events: the publisher's and replay socket's ports on the replica's host;
+    # None: such replicas are routed by the gateway's guess
+    port: int | None = None
+    replay_port: int | None = None
+    topic: str = ""  # vLLM's "topic" (the publisher's default is empty: every message)
+    # a replay socket that has not answered in this long leaves the gap unrepaired
+    replay_timeout_s: float = 2.0
+    # a request the engine finished whose last prompt block the events have not shown this
+    # long after is a parity mismatch (events are published once per engine step)
+    parity_grace_s: float = 2.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LimitsConfig:
     """Limits on what clients may send, and on clients that stop reading."""
 
@@ -297,6 +322,7 @@ class GatewayConfig:
     breaker: BreakerConfig = BreakerConfig()
     admission: AdmissionConfig = AdmissionConfig()
     auth: AuthConfig = AuthConfig()
+    kv_events: KvEventsConfig = KvEventsConfig()
     # seconds SIGTERM waits for in-flight requests (streams included) to finish before exit;
     # Kubernetes' default terminationGracePeriodSeconds is 30, so 25 leaves the rest for exit
     drain_s: float = 25.0
@@ -342,6 +368,17 @@ def _one_of(*allowed: str) -> _Check:
 def _non_empty(value: str) -> str:
     if not value.strip():
         raise _Reject("a non-empty string")
+    return value
+
+
+def _zmq_tcp(value: str) -> str:
+    """A ZMQ TCP address to connect to: tcp://host:port."""
+    expected = "a ZMQ address tcp://host:port (the replica's host as the gateway reaches it)"
+    if not value.startswith("tcp://"):
+        raise _Reject(expected)
+    host, _, port = value[len("tcp://"):].rpartition(":")
+    if not host or host in ("*", "0.0.0.0") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise _Reject(expected)
     return value
 
 
@@ -454,6 +491,12 @@ _CHECKS: dict[tuple[type, str], _Check] = {
     (ChangesConfig, "max_sites"): _POSITIVE,
     (ChangesConfig, "snippet_chars"): _bounded(16, 4096),
     (LimitsConfig, "client_write_timeout_s"): _TIME,
+    (ReplicaConfig, "kv_events"): _zmq_tcp,
+    (ReplicaConfig, "kv_events_replay"): _zmq_tcp,
+    (KvEventsConfig, "port"): _bounded(1, 65535),
+    (KvEventsConfig, "replay_port"): _bounded(1, 65535),
+    (KvEventsConfig, "replay_timeout_s"): _TIME,
+    (KvEventsConfig, "parity_grace_s"): _TIME,
     (DiscoveryConfig, "dns"): _dns_name,
     (DiscoveryConfig, "port"): _bounded(1, 65535),
     (DiscoveryConfig, "scheme"): _one_of("http", "https"),

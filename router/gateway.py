@@ -39,6 +39,19 @@ __all__ = ["Gateway", "replica_name"]
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size on GPU, when no replica reports one
 
 
+def _describe_events(r: ReplicaState) -> dict | None:
+    """A replica's KV events in ``/replicas``; None when it publishes none."""
+    s = r.stream
+    if s is None:
+        return None
+    return {"endpoint": s.endpoint, "replay_endpoint": s.replay_endpoint, "routing_by_events": s.fresh,
+            "stale_reason": s.stale_reason or None, "batches": s.batches, "events": s.events,
+            "last_seq": s.last_seq, "gaps_repaired": s.gaps_repaired, "gaps_lost": s.gaps_lost,
+            "restarts": s.restarts, "undecodable": s.undecodable, "blocks": len(s.view),
+            "orphan_blocks": s.view.orphans, "parity_matches": r.parity_ok, "parity_mismatches": r.parity_mismatch,
+            "parity_hint": r.parity_hint or None}
+
+
 def replica_name(url: str) -> str:
     """A replica's label: host:port of its URL (bounded by the configuration)."""
     parts = urlsplit(url)
@@ -65,6 +78,7 @@ class Gateway:
         self.changes = ChangeSites(config.changes.max_sites)
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.http: aiohttp.ClientSession | None = None
+        self._exported: dict[str, dict[str, int]] = {}  # per replica: event counters exported so far
         self.request_log = RequestLog(config.request_log) if config.request_log else None
         self.admission = Admission(config.admission, self.saturated)
         self.tenants = Tenants(config.auth)
@@ -125,6 +139,7 @@ class Gateway:
             del self.replicas[name]
             self.ring.remove(name)
             self.metrics.forget_replica(name)
+            self._exported.pop(name, None)
         return gone
 
     @property
@@ -161,6 +176,24 @@ class Gateway:
             if capacity and replica.shadow.capacity != capacity:
                 replica.shadow.resize(capacity)
 
+    def export_event_metrics(self) -> None:
+        """Bring the KV event metrics up to each stream's counters (``router/cacheview.py``)."""
+        m = self.metrics
+        for replica in self.replicas.values():
+            stream = replica.stream
+            if stream is None:
+                continue
+            exported = self._exported.setdefault(replica.name, {})
+            for metric, labels, value in ((m.kv_events, (replica.name,), stream.events),
+                                          (m.kv_gaps, (replica.name, "repaired"), stream.gaps_repaired),
+                                          (m.kv_gaps, (replica.name, "lost"), stream.gaps_lost)):
+                key = labels[-1] if len(labels) > 1 else "events"
+                if value > exported.get(key, 0):
+                    metric.labels(*labels).inc(value - exported.get(key, 0))
+                exported[key] = value
+            m.kv_view_fresh.labels(replica.name).set(1 if stream.fresh else 0)
+            m.kv_view_blocks.labels(replica.name).set(len(stream.view))
+
     def record_change(self, change: Change, token_position: int, lost_tokens: int, excerpt: str | None) -> None:
         """Count a client's prefix change: its cause's metrics and its site (bounded)."""
         self.metrics.changed.labels(change.cause.value).inc()
@@ -183,7 +216,7 @@ class Gateway:
                 "block_size": r.block_size, "num_gpu_blocks": r.num_gpu_blocks,
                 "capacity_tokens": (r.num_gpu_blocks - 1) * r.block_size if r.num_gpu_blocks and r.block_size else None,
                 "ring_share": round(shares.get(r.name, 0.0), 4), "shadow_blocks": len(r.shadow),
-                "models": r.models,
+                "models": r.models, "kv_events": _describe_events(r),
             } for r in self.replicas.values()],
             "change_sites": [{"cause": s.cause.value, "message_index": s.message_index,
                               "token_position": s.token_position, "count": s.count}

@@ -80,12 +80,31 @@ class GatewayMetrics:
                               ("replica",), buckets=TTFT_BUCKETS, registry=r)
         self.request_seconds = Histogram("prefix_router_request_seconds", "Request duration seen by the gateway.",
                                          ("replica",), buckets=REQUEST_BUCKETS, registry=r)
+        # vLLM's KV events (router/cacheview.py): what each replica's engine reported of its cache
+        self.kv_events = Counter("prefix_router_kv_events", "KV cache events applied, by replica.",
+                                 ("replica",), registry=r)
+        self.kv_gaps = Counter("prefix_router_kv_event_gaps",
+                               "Gaps in a replica's KV event sequence, by outcome (repaired by replay, or lost).",
+                               ("replica", "outcome"), registry=r)
+        self.kv_parity = Counter("prefix_router_kv_parity",
+                                 "Requests whose prompt blocks the engine's events showed (match) or never showed "
+                                 "(mismatch: the gateway hashes prompts differently from the engine).",
+                                 ("replica", "result"), registry=r)
+        self.kv_view_fresh = Gauge("prefix_router_kv_view_fresh",
+                                   "1 while routing reads the replica's KV events, 0 while its view is stale and "
+                                   "routing falls back to the gateway's guess; absent without events.",
+                                   ("replica",), registry=r)
+        self.kv_view_blocks = Gauge("prefix_router_kv_view_blocks", "Blocks the replica's KV events say it holds.",
+                                    ("replica",), registry=r)
         self._per_replica = (  # (metric, its label names): what forget_replica clears
             (self.requests, ("replica", "route", "code")), (self.cache_requests, ("replica", "result")),
             (self.prompt_tokens, ("replica",)), (self.cached_predicted, ("replica",)), (self.cached, ("replica",)),
             (self.lost_tokens, ("replica", "cause")), (self.spillovers, ("from_replica", "to_replica")),
             (self.queue_depth, ("replica",)), (self.inflight, ("replica",)), (self.healthy, ("replica",)),
-            (self.breaker_state, ("replica",)), (self.ttft, ("replica",)), (self.request_seconds, ("replica",)))
+            (self.breaker_state, ("replica",)), (self.ttft, ("replica",)), (self.request_seconds, ("replica",)),
+            (self.kv_events, ("replica",)), (self.kv_gaps, ("replica", "outcome")),
+            (self.kv_parity, ("replica", "result")), (self.kv_view_fresh, ("replica",)),
+            (self.kv_view_blocks, ("replica",)))
 
     def forget_replica(self, name: str) -> int:
         """Remove every series labelled with replica ``name`` (one that discovery dropped), so
@@ -110,7 +129,9 @@ METRIC_NAMES = (
     "prefix_router_spillovers_total", "prefix_router_replica_queue_depth",
     "prefix_router_replica_inflight", "prefix_router_replica_healthy", "prefix_router_replica_breaker_state",
     "prefix_router_admission_waiting", "prefix_router_admission_rejected_total", "prefix_router_routing_seconds",
-    "prefix_router_ttft_seconds", "prefix_router_request_seconds",
+    "prefix_router_ttft_seconds", "prefix_router_request_seconds", "prefix_router_kv_events_total",
+    "prefix_router_kv_event_gaps_total", "prefix_router_kv_parity_total", "prefix_router_kv_view_fresh",
+    "prefix_router_kv_view_blocks",
 )
 
 

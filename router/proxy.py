@@ -13,8 +13,13 @@ Per request (``handle_generate``):
    the client, and each attempt's outcome goes to the replica's circuit breaker.
 4. Stream SSE back as it arrives (whole lines, a chunk a write), with ``x-prefix-router-replica`` naming the
    replica. Then classify the cache outcome, update the shadow index, branch statistics and
-   conversation memory, count everything in ``GatewayMetrics`` and, when configured, write the
-   request's line to the request log (``requestlog.py``).
+   conversation memory, check the replica's KV events showed the prompt's blocks
+   (``cacheview.check_parity``), count everything in ``GatewayMetrics`` and, when configured,
+   write the request's line to the request log (``requestlog.py``).
+
+Routing reads each replica's cache as its KV events report it while they are fresh
+(``ReplicaState.cache_index``), else the shadow index; both count a request's blocks from the
+moment it is sent.
 
 In-flight slots are released in ``finally``, so errors and client disconnects free them.
 """
@@ -34,6 +39,7 @@ from aiohttp import web
 from .admission import QueueFull, QueueTimeout
 from .breaker import BreakerState
 from .causes import explain, fingerprint
+from .cacheview import check_parity
 from .changes import redacted_excerpt
 from .conversations import CacheResult, Conversation, classify
 from .errors import error_body, openai_error
@@ -139,6 +145,11 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
     extra: dict = {}
     if stream and not client_wants_usage:  # the engine reports cached_tokens; dropped on the way back
         extra["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and "kv_cache_report_mode" in xargs:
+        # "full" makes vLLM publish BlockStored again for every block a request reuses, with no
+        # BlockRemoved to match: the events every gateway reads would hold those blocks forever
+        extra["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
     session = _session_key(request, body, gw)
     if tenant is not None:
         salt = gw.tenants.salt(tenant, body.get("cache_salt"))
@@ -156,7 +167,7 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
         return rejected
     now = time.monotonic()
     half_life = gw.config.routing.share_half_life_s
-    healthy = {r.name: ReplicaView(r.name, r.routing_load, r.shadow, r.recent_share(now, half_life))
+    healthy = {r.name: ReplicaView(r.name, r.routing_load, r.cache_index(info.exact), r.recent_share(now, half_life))
                for r in gw.replicas.values() if r.routable}
     if not healthy:
         return openai_error(503, "no healthy replica", type_="ServiceUnavailableError")
@@ -238,11 +249,13 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
         gw.metrics.inflight.labels(name).set(replica.inflight)
         if name != decision.replica:
             decision = _retarget(decision, name)
-        held = min(replica.shadow.match_ever(info.hashes), gw.max_hit_blocks(info))
+        held = min(replica.cache_index(info.exact).match_ever(info.hashes), gw.max_hit_blocks(info))
         decision = dataclasses.replace(decision, held_blocks=held)
         # vLLM makes blocks hittable as soon as they are scheduled: count them at once, so a
         # burst of one prefix sees it; take back what this attempt added if it fails.
         added = replica.shadow.insert(info.hashes)
+        if replica.stream is not None and info.exact:
+            replica.stream.view.note_routed(info.hashes, sent_at)
         t0 = time.perf_counter()
         outcome: bool | None = None  # None: says nothing of the replica (cancelled, client gone, 5xx)
         try:
@@ -251,6 +264,8 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
             async with upstream:
                 if upstream.status < 500:
                     response, status = await _relay(request, gw, upstream, name, decision, info, up, t0)
+                    if status == 200 and info.exact:
+                        check_parity(gw, replica, info.hashes, sent_at)
                     if status != _CLIENT_GONE:
                         outcome = status != 502  # 502: the replica cut the stream
                     if outcome:
@@ -276,6 +291,8 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
             else:
                 _breaker_record(gw, replica, outcome)
         replica.shadow.forget(added)
+        if replica.stream is not None:
+            replica.stream.view.forget_routed(info.hashes)
         gw.metrics.requests.labels(name, decision.route.value, code).inc()
     return openai_error(502, last_error, type_="BadGatewayError")
 

@@ -32,6 +32,8 @@ import aiohttp
 from .breaker import CircuitBreaker
 from .config import BreakerConfig, HealthConfig, ReplicaConfig
 from .index import ShadowIndex
+from .kvevents import EngineView
+from .kvstream import EventStream
 
 __all__ = ["ReplicaState", "parse_engine_metrics", "apply_health", "apply_metrics", "poll_health", "poll_metrics"]
 
@@ -70,6 +72,10 @@ class ReplicaState:
     draining_since: float | None = None  # monotonic time it left DNS; off the ring from then on
     shadow: ShadowIndex = field(default_factory=lambda: ShadowIndex(DEFAULT_CAPACITY_BLOCKS))
     breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(BreakerConfig()))
+    stream: EventStream | None = None  # its KV events, when it publishes them (router/cacheview.py)
+    parity_ok: int = 0  # requests whose prompt blocks its events showed
+    parity_mismatch: int = 0  # ... and never showed
+    parity_hint: str = ""  # the likely cause of the last mismatch
 
     @property
     def url(self) -> str:
@@ -105,10 +111,18 @@ class ReplicaState:
         self.recent = self.recent_share(now, half_life_s) + 1.0
         self.recent_at = now
 
+    def cache_index(self, exact: bool) -> ShadowIndex | EngineView:
+        """What routing reads of this replica's cache: its engine's events while they are fresh
+        and the prompt was cut into token blocks (``exact``), else the shadow index."""
+        stream = self.stream
+        return stream.view if exact and stream is not None and stream.fresh else self.shadow
+
     def reset_cache_view(self, reason: str) -> None:
         if len(self.shadow):
             log.info("replica %s: %s; clearing its shadow index", self.name, reason)
         self.shadow.clear()
+        if self.stream is not None:
+            self.stream.reset()  # the new process publishes from an empty cache, counting from 0
 
 
 def parse_engine_metrics(text: str) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from router.launch import Server, free_port, gateway_server, running, sim_server
+from router.launch import Server, build_tiny_model, free_port, gateway_server, running, sim_server
 from router.replay.client import replay
 from router.replay.generate import builtin_workload
 
@@ -75,11 +75,18 @@ def query(prom: str, expr: str) -> list:
 
 @needs_prometheus
 def test_every_panel_query_and_alert_expression_returns_data_from_a_real_prometheus(tmp_path):
-    sims = [sim_server(tmp_path, ["--model", "sim", "--time-scale", "20"]) for _ in range(3)]
+    # exact token blocks and KV events on, so the event and parity series exist too
+    tokenizer = str(build_tiny_model(ROOT / ".cache" / "tiny-tokenizer", tokenizer_only=True))
+    events = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*",
+                         "replay_endpoint": "tcp://127.0.0.1:*"})
+    sims = [sim_server(tmp_path, ["--model", "sim", "--time-scale", "20", "--tokenizer", tokenizer,
+                                  "--kv-events-config", events]) for _ in range(3)]
     with running(sims) as replicas:
-        # the tightest load bound, so the spillover panel has series too
-        (tmp_path / "gateway.yaml").write_text("routing:\n  load_factor: 1\n")
-        with running([gateway_server(tmp_path, replicas, ["--config", str(tmp_path / "gateway.yaml")])]) as (gateway,):
+        # the tightest load bound and no holder's leave, so the spillover panel has series too
+        (tmp_path / "gateway.yaml").write_text("routing:\n  load_factor: 1\n  holder_load_factor: 1\n"
+                                               "  holder_share_factor: 1\n  holder_slack: 0\n")
+        args = ["--config", str(tmp_path / "gateway.yaml"), "--tokenizer", tokenizer]
+        with running([gateway_server(tmp_path, replicas, args)]) as (gateway,):
             port = free_port()
             targets = lambda urls: [u.split("//")[1] for u in urls]  # noqa: E731
             config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},

@@ -214,7 +214,8 @@ async def test_every_metric_of_a_forgotten_replica_is_gone_after_real_traffic(fl
 # instance. The longest cached prefix then decides: one instance follows a shared system prompt
 # to the replicas it saw compute it, the other does not know them. Measured gaps with that rule
 # (issue 14; 48 sessions, time scale 50): 1.6 to 4.9 points over eight runs, with session ids
-# and without; with the earlier sticky-history rule -0.7 to +0.7. Shared KV events close it.
+# and without; with the earlier sticky-history rule -0.7 to +0.7. The replicas' KV events close it:
+# tests/test_kv_events_gateway.py runs four instances within a point of one.
 @pytest.mark.parametrize("session_header", ["X-Session-ID", None], ids=["session-ids", "no-session-ids"])
 async def test_two_gateways_behind_a_round_robin_client_reuse_nearly_as_much_as_one(fleet, aiohttp_server,
                                                                                    session_header):

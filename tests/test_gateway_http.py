@@ -343,7 +343,8 @@ async def test_every_declared_metric_is_exported_after_one_request(fleet, gatewa
         assert samples(name, **labels), name
     # Label sets nobody used yet: declared and exported, without samples.
     for name in set(METRIC_NAMES) - set(used):
-        assert name in ("prefix_router_lost_tokens_total", "prefix_router_spillovers_total"), name
+        assert name in ("prefix_router_lost_tokens_total", "prefix_router_spillovers_total") or \
+            name.startswith("prefix_router_kv_"), name  # replicas without KV events
         assert not samples(name), name
     assert sum(s.value for s in samples("prefix_router_requests_total")) == 1
     prompt_tokens = sum(s.value for s in samples("prefix_router_prompt_tokens_total"))
@@ -440,3 +441,14 @@ async def test_when_every_replica_is_down_requests_get_503_and_ready_is_503(flee
         assert set(error) == ERROR_FIELDS and error["code"] == 503
     assert (await client.get("/v1/models")).status == 503
     assert (await client.get("/health")).status == 200  # the gateway itself is alive
+
+
+async def test_a_request_for_full_kv_cache_reports_is_forwarded_without_it(echo, gateway):
+    """vLLM's ``kv_cache_report_mode: full`` republishes every reused block as stored, with no
+    removal to match: the KV events every gateway reads would hold those blocks forever."""
+    replica = await echo()
+    client = await gateway([replica.server])
+    body = {"model": MODEL, "prompt": "hello", "vllm_xargs": {"kv_cache_report_mode": "full", "keep": 1}}
+    assert (await client.post("/v1/completions", json=body)).status == 200
+    sent = json.loads(replica.requests[-1][2])
+    assert sent["vllm_xargs"] == {"keep": 1} and sent["prompt"] == "hello"

@@ -50,6 +50,10 @@ class SimConfig:
     default_max_tokens: int = 256  # output length when a request gives no max_tokens
     tokenizer: str | None = None  # Hugging Face tokenizer folder; None: built-in byte tokenizer
     seed: int = 0  # seeds the generated token ids
+    # vLLM's --kv-events-config: {"enable_kv_cache_events": true, "publisher": "zmq",
+    # "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "", "buffer_steps":
+    # 10000}; None or disabled: no events (router/sim/kv_events.py)
+    kv_events: dict | None = None
 
     def validate(self) -> SimConfig:
         """Return self, or raise ValueError naming the first field out of range."""

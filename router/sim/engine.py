@@ -42,6 +42,7 @@ class Engine:
         self._clock_s = 0.0  # modelled time at the end of the last step
         self._wake = asyncio.Event()
         self.lag_s = 0.0  # how far the modelled clock ran behind the wall clock, at most
+        self.publisher = None  # a kv_events.EventPublisher: each step's KV events go out through it
 
     def now_s(self) -> float:
         """Modelled seconds since start, from the wall clock."""
@@ -96,3 +97,7 @@ class Engine:
                     metrics.on_finish(request)
                 if request.on_update is not None:
                     request.on_update()
+            if self.publisher is not None:
+                events = scheduler.kv.take_events()
+                if events:
+                    self.publisher.publish(events)

@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from ..blocks import BlockHash, extend_block_hashes, seed_hash
+from .kv_events import BlockRemoved, BlockStored
 
 __all__ = ["BlockHash", "Block", "KVCache", "seed_hash", "extend_block_hashes"]
 
@@ -80,6 +81,9 @@ class KVCache:
         self.cached: dict[BlockHash, Block | dict[int, Block]] = {}
         self.num_queries = 0
         self.num_hits = 0
+        # KV events as vLLM queues them (``BlockPool.kv_event_queue``), when a publisher is on
+        self.record_events = False
+        self.events: list = []
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -149,8 +153,22 @@ class KVCache:
             held.append(block)
         return True
 
-    def cache_full_blocks(self, held: Sequence[Block], block_hashes: Sequence[BlockHash], first: int, num_full: int) -> None:
-        """Register ``held[first:num_full]`` under their hashes once their tokens are scheduled."""
+    def cache_full_blocks(self, held: Sequence[Block], block_hashes: Sequence[BlockHash], first: int, num_full: int,
+                          token_ids: Sequence[int] = (), lora_name: str | None = None,
+                          cache_salt: str | None = None) -> None:
+        """Register ``held[first:num_full]`` under their hashes once their tokens are scheduled.
+
+        With ``record_events``, queue one ``BlockStored`` for them as vLLM does: their token ids
+        (from ``token_ids``, the request's), their parent's hash (None from the first block),
+        and the cache salt in the first block's extra keys."""
+        if self.record_events and num_full > first:
+            size = self.block_size
+            extra = [(cache_salt,) if i == 0 and cache_salt else None for i in range(first, num_full)]
+            self.events.append(BlockStored(
+                block_hashes=list(block_hashes[first:num_full]),
+                parent_block_hash=block_hashes[first - 1] if first else None,
+                token_ids=list(token_ids[first * size : num_full * size]), block_size=size, lora_id=None,
+                medium="GPU", lora_name=lora_name, extra_keys=extra if any(extra) else None, group_idx=0))
         cached = self.cached
         for i in range(first, num_full):
             block = held[i]
@@ -181,9 +199,16 @@ class KVCache:
             queue[block.block_id] = block
             queue.move_to_end(block.block_id, last=False)
 
+    def take_events(self) -> list:
+        """The events queued since the last call (``BlockPool.take_events``)."""
+        events, self.events = self.events, []
+        return events
+
     def _evict(self, block: Block) -> None:
         block_hash = block.block_hash
         block.block_hash = None
+        if self.record_events:
+            self.events.append(BlockRemoved(block_hashes=[block_hash], medium="GPU", group_idx=0))
         entry = self.cached.get(block_hash)
         if entry is block:
             del self.cached[block_hash]

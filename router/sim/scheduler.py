@@ -47,7 +47,7 @@ class SimRequest:
         "request_id", "token_ids", "num_prompt_tokens", "max_tokens", "block_hashes",
         "blocks", "num_computed_tokens", "num_cached_blocks", "num_cached_tokens",
         "num_preemptions", "arrival_s", "first_token_s", "finish_s", "finish_reason",
-        "seed", "on_update",
+        "seed", "on_update", "model", "cache_salt",
     )
 
     def __init__(
@@ -65,6 +65,8 @@ class SimRequest:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.max_tokens = max_tokens
         self.seed = seed_hash(model, cache_salt)
+        self.model = model
+        self.cache_salt = cache_salt
         self.block_hashes: list[BlockHash] = []  # one per full block of token_ids
         self.blocks: list[Block] = []  # KV blocks held while scheduled
         self.num_computed_tokens = 0
@@ -231,7 +233,9 @@ class Scheduler:
         step.scheduled.append((request, num_new))
         num_full = min(request.num_computed_tokens + num_new, request.num_tokens) // self.config.block_size
         if num_full > request.num_cached_blocks:
-            self.kv.cache_full_blocks(request.blocks, request.block_hashes, request.num_cached_blocks, num_full)
+            lora = request.model if request.model != self.config.model else None
+            self.kv.cache_full_blocks(request.blocks, request.block_hashes, request.num_cached_blocks, num_full,
+                                      request.token_ids, lora, request.cache_salt)
             request.num_cached_blocks = num_full
 
     def _preempt(self, request: SimRequest) -> None:

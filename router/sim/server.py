@@ -227,6 +227,19 @@ async def metrics(request: web.Request) -> web.Response:
     return response
 
 
+async def kv_event_sources(request: web.Request) -> web.Response:
+    """vLLM's ``GET /kv_event_sources``: the publisher's configuration per data-parallel rank
+    (``{}`` when events are off); endpoints as configured (``tcp://*:5557``), port 0 resolved."""
+    engine = request.app[ENGINE]
+    if engine.publisher is None:
+        return web.json_response({})
+    endpoint, replay = engine.publisher.endpoints
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "buffer_steps": 10_000, "hwm": 100_000,
+              "max_queue_size": 100_000, "topic": "", **(request.app[CONFIG].kv_events or {}),
+              "endpoint": endpoint, "replay_endpoint": replay}
+    return web.json_response({"0": config})
+
+
 def create_app(config: SimConfig, tokenizer: PromptTokenizer) -> web.Application:
     """The aiohttp application of one simulated replica; the engine starts with the app.
 
@@ -246,13 +259,24 @@ def create_app(config: SimConfig, tokenizer: PromptTokenizer) -> web.Application
     async def engine_ctx(app: web.Application):
         engine = Engine(config, vocab_size=min(tokenizer.vocab_size, 1 << 31))
         app[ENGINE] = engine
-        task = asyncio.create_task(engine.run())
+        tasks = [asyncio.create_task(engine.run())]
+        events = config.kv_events or {}
+        if events.get("enable_kv_cache_events") and events.get("publisher", "zmq") == "zmq":
+            from .kv_events import EventPublisher  # pyzmq only where events are on
+            engine.publisher = EventPublisher(events.get("endpoint", "tcp://*:5557"), events.get("replay_endpoint"),
+                                              events.get("topic", ""), events.get("buffer_steps", 10_000))
+            engine.scheduler.kv.record_events = True
+            tasks.append(asyncio.create_task(engine.publisher.serve_replay()))
         yield
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        if engine.publisher is not None:
+            engine.publisher.close()
 
     app.cleanup_ctx.append(engine_ctx)
     app.router.add_post("/v1/completions", completions)
@@ -261,4 +285,5 @@ def create_app(config: SimConfig, tokenizer: PromptTokenizer) -> web.Application
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/kv_event_sources", kv_event_sources)
     return app

@@ -1,0 +1,133 @@
+"""Several gateway instances behind a round-robin client: with the replicas' KV events, and without.
+
+Each instance sees every Nth request and, without events, learns only from those; with events
+(``router/kvevents.py``) every instance reads every replica's cache as its engine reports it. For
+each workload and run, on fresh simulated replicas publishing vLLM's events
+(``--kv-events-config``): one gateway and ``--instances`` gateways, events on and off, the same
+requests replayed without session ids (a client that names no conversation: the case where the
+instances' own pictures matter most). Gateways and replicas share the tiny tokenizer
+(``router/tiny_model.py``), so prompts are cut into exact token blocks, as events need.
+
+Workloads: the built-in mixed workload (multi-turn chats and agents sharing system prompts and
+tools), a dozen agent sessions (``bench.compare``'s), and SGLang's generated-shared-prefix shape
+(``bench/shapes.py``: many single-turn prompts per shared document).
+
+    python -m bench.instances                 # 4 instances, 3 runs each (~15 min on 2 cores)
+    python -m bench.instances --runs 1 --quick
+
+Writes ``results.md`` and ``results.json`` to ``--out`` (``bench/results/instances``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+from router.launch import build_tiny_model, running, sim_server, gateway_server
+from router.replay.client import replay
+from router.replay.generate import builtin_workload
+
+from .fleet import ROOT, metric_sum, scrape
+from .shapes import generated_shared_prefix
+
+MODEL = "sim"
+EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
+                     "replay_endpoint": "tcp://127.0.0.1:*"})
+
+
+def workloads(quick: bool) -> list[tuple[str, list]]:
+    sessions = 24 if quick else 48
+    return [(f"built-in mixed, {sessions} sessions", builtin_workload("mixed", sessions=sessions, seed=11)),
+            ("a dozen agent sessions", builtin_workload("agent", sessions=12, seed=12)),
+            ("sglang generated-shared-prefix", generated_shared_prefix(groups=8 if quick else 16, rate=8.0))]
+
+
+def _wait_for_streams(urls: list[str], timeout_s: float = 30.0) -> None:
+    import urllib.request
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        views = [json.loads(urllib.request.urlopen(u + "/replicas", timeout=5).read())["replicas"] for u in urls]
+        if all(r["kv_events"] is not None for view in views for r in view):
+            return
+        time.sleep(0.2)
+    raise RuntimeError("the gateways found no KV event streams")
+
+
+def run_cell(requests, instances: int, events: bool, args, tokenizer: Path, log_dir: Path) -> float:
+    """Token hit rate, from the replicas' own counters, of one replay through ``instances``."""
+    sim_args = ["--model", MODEL, "--time-scale", str(args.time_scale), "--tokenizer", str(tokenizer),
+                "--kv-events-config", EVENTS]
+    with running([sim_server(log_dir, sim_args) for _ in range(args.replicas)]) as urls:
+        config = log_dir / f"gateway-{'events' if events else 'guess'}.yaml"
+        config.write_text(f"kv_events: {{enabled: {str(events).lower()}}}\nscrape: {{interval_s: 0.5}}\n")
+        gateways = [gateway_server(log_dir, urls, ["--config", str(config), "--tokenizer", str(tokenizer)])
+                    for _ in range(instances)]
+        with running(gateways) as targets:
+            if events:
+                _wait_for_streams(targets)
+            records = asyncio.run(replay(requests, targets, model=MODEL, time_scale=args.time_scale,
+                                         session_header=None))
+        errors = [r.error for r in records if r.error is not None or r.status != 200]
+        if errors:
+            raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
+        pages = [scrape(u) for u in urls]
+    hits = sum(metric_sum(p, "vllm:prefix_cache_hits_total") for p in pages)
+    queries = sum(metric_sum(p, "vllm:prefix_cache_queries_total") for p in pages)
+    return hits / queries if queries else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--instances", type=int, default=4)
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--time-scale", type=float, default=20.0)
+    parser.add_argument("--quick", action="store_true", help="smaller workloads")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "instances")
+    args = parser.parse_args(argv)
+    tokenizer = build_tiny_model(ROOT / ".cache" / "tiny-tokenizer", tokenizer_only=True)
+    log_dir = ROOT / ".cache" / "bench-instances"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cells = [(1, True), (args.instances, True), (args.instances, False), (1, False)]
+    started = time.perf_counter()
+    results = []
+    for name, requests in workloads(args.quick):
+        runs: dict[str, list[float]] = {f"{n}:{e}": [] for n, e in cells}
+        for _ in range(args.runs):
+            for n, events in cells:
+                runs[f"{n}:{events}"].append(run_cell(requests, n, events, args, tokenizer, log_dir))
+        row = {"workload": name, "requests": len(requests), "runs": runs,
+               "median": {k: statistics.median(v) for k, v in runs.items()}}
+        results.append(row)
+        m = row["median"]
+        print(f"{name}: one {m['1:True']:.3f}, {args.instances} with events {m[f'{args.instances}:True']:.3f}, "
+              f"{args.instances} without {m[f'{args.instances}:False']:.3f}, one without {m['1:False']:.3f}",
+              flush=True)
+    n = args.instances
+    lines = [f"{args.replicas} simulated replicas publishing KV events, tiny tokenizer on both sides, no session "
+             f"ids, time scale {args.time_scale:g}; {args.runs} run(s) of every cell on fresh replicas, medians "
+             f"(min-max); {platform.python_version()}, {time.perf_counter() - started:.0f} s", "",
+             f"| workload | requests | 1 gateway, events | {n} gateways, events | gap (points) | "
+             f"{n} gateways, no events | gap (points) | 1 gateway, no events |", "|---|---|---|---|---|---|---|---|"]
+    for row in results:
+        m, r = row["median"], row["runs"]
+        cell = lambda k: f"{m[k]:.3f} ({min(r[k]):.3f}-{max(r[k]):.3f})"  # noqa: E731
+        lines.append(f"| {row['workload']} | {row['requests']} | {cell('1:True')} | {cell(f'{n}:True')} | "
+                     f"{100 * (m['1:True'] - m[f'{n}:True']):.1f} | {cell(f'{n}:False')} | "
+                     f"{100 * (m['1:False'] - m[f'{n}:False']):.1f} | {cell('1:False')} |")
+    lines += ["", "Token hit rate from the replicas' own counters. Command: `python -m bench.instances"
+              + (" --quick" if args.quick else "") + f" --runs {args.runs} --instances {n}`"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
