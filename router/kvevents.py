@@ -200,9 +200,12 @@ class EngineView:
         self.seed = seed
         self.max_ghosts = max_ghosts
         self.pending_s = pending_s
-        # blocks of requests just routed here, until their BlockStored arrives (at most
-        # pending_s): a burst of one new prefix must see it at once, as vLLM does
-        self._pending: OrderedDict[BlockHash, float] = OrderedDict()
+        # blocks of the requests in flight here (a count per block), and of those that ended
+        # lately whose BlockStored has not arrived (their end time): vLLM makes a prompt's blocks
+        # hittable once it is scheduled, so a burst of one new prefix, or a request queued behind
+        # one that computes its prefix, must see them before the events do
+        self._inflight: dict[BlockHash, int] = {}
+        self._released: OrderedDict[BlockHash, float] = OrderedDict()
         self._engine: dict[EngineHash, list] = {}  # engine hash -> [gateway hash, count]
         self._blocks: dict[BlockHash, int] = {}  # gateway hash -> engine hashes holding it
         self._ghosts: OrderedDict[BlockHash, None] = OrderedDict()
@@ -217,32 +220,39 @@ class EngineView:
 
     def match(self, hashes: Sequence[BlockHash]) -> int:
         """Leading blocks of ``hashes`` the engine holds (chained: stop at the first miss)."""
-        blocks, pending = self._blocks, self._pending
+        blocks, inflight, released = self._blocks, self._inflight, self._released
         n = 0
         for h in hashes:
-            if h not in blocks and h not in pending:
+            if h not in blocks and h not in inflight and h not in released:
                 break
             n += 1
         return n
 
-    def note_routed(self, hashes: Sequence[BlockHash], now: float) -> None:
-        """Count a request's blocks as held from the moment it is sent (vLLM makes them
-        hittable once scheduled), until the events confirm them or ``pending_s`` passes."""
-        pending, blocks = self._pending, self._blocks
-        while pending:
-            h, t = next(iter(pending.items()))
-            if now - t < self.pending_s and len(pending) < self.max_ghosts:
-                break
-            del pending[h]
+    def note_routed(self, hashes: Sequence[BlockHash]) -> None:
+        """Count a request's blocks as held from the moment it is sent until it ends."""
+        inflight = self._inflight
         for h in hashes:
-            if h not in blocks:
-                pending.pop(h, None)
-                pending[h] = now
+            inflight[h] = inflight.get(h, 0) + 1
 
-    def forget_routed(self, hashes: Sequence[BlockHash]) -> None:
-        """The request failed: its blocks are not coming."""
+    def release_routed(self, hashes: Sequence[BlockHash], now: float, served: bool) -> None:
+        """The request sent with ``note_routed`` ended (``now``: monotonic s). ``served``: the
+        engine ran it, so its blocks are stored even if the events have not said so yet; they
+        count for ``pending_s`` more. A failed request's blocks are not coming."""
+        inflight, blocks, released = self._inflight, self._blocks, self._released
         for h in hashes:
-            self._pending.pop(h, None)
+            left = inflight.get(h, 0) - 1
+            if left > 0:
+                inflight[h] = left
+                continue
+            inflight.pop(h, None)
+            if served and h not in blocks:
+                released.pop(h, None)
+                released[h] = now
+        while released:
+            h, t = next(iter(released.items()))
+            if now - t < self.pending_s and len(released) <= self.max_ghosts:
+                break
+            del released[h]
 
     def match_ever(self, hashes: Sequence[BlockHash]) -> int:
         """Leading blocks held now or removed lately (``ShadowIndex.match_ever``'s meaning)."""
@@ -263,7 +273,8 @@ class EngineView:
         self._engine.clear()
         self._blocks.clear()
         self._ghosts.clear()
-        self._pending.clear()
+        self._inflight.clear()
+        self._released.clear()
 
     def apply(self, event: Event) -> None:
         """Update the view with one event."""
@@ -311,7 +322,7 @@ class EngineView:
                 entry[1] += 1
             blocks[h] = blocks.get(h, 0) + 1
             ghosts.pop(h, None)
-            self._pending.pop(h, None)
+            self._released.pop(h, None)
             self.stored += 1
 
     def _removed(self, engine_hash: EngineHash) -> None:

@@ -254,8 +254,9 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
         # vLLM makes blocks hittable as soon as they are scheduled: count them at once, so a
         # burst of one prefix sees it; take back what this attempt added if it fails.
         added = replica.shadow.insert(info.hashes)
-        if replica.stream is not None and info.exact:
-            replica.stream.view.note_routed(info.hashes, sent_at)
+        view = replica.stream.view if replica.stream is not None and info.exact else None
+        if view is not None:
+            view.note_routed(info.hashes)
         t0 = time.perf_counter()
         outcome: bool | None = None  # None: says nothing of the replica (cancelled, client gone, 5xx)
         try:
@@ -290,9 +291,9 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
                 replica.breaker.release_trial()  # a half-open breaker may try again
             else:
                 _breaker_record(gw, replica, outcome)
+            if view is not None:
+                view.release_routed(info.hashes, time.monotonic(), served=outcome is True)
         replica.shadow.forget(added)
-        if replica.stream is not None:
-            replica.stream.view.forget_routed(info.hashes)
         gw.metrics.requests.labels(name, decision.route.value, code).inc()
     return openai_error(502, last_error, type_="BadGatewayError")
 

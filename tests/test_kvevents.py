@@ -382,3 +382,25 @@ async def test_events_describing_more_blocks_than_the_replica_holds_make_the_vie
     assert stream.fresh
     await stream.receive(1, encode(stored([3, 4], 2, list(range(8, 16)))))  # 4 > 3: no real cache
     assert not stream.fresh and "more blocks than the replica holds" in stream.stale_reason
+
+
+def test_blocks_of_requests_in_flight_count_until_they_end_and_then_until_the_events_confirm_them():
+    v = EngineView(BS, seed, pending_s=2.0)
+    tokens = list(range(300, 308))
+    ours = block_hashes(tokens, BS, seed(None, None))
+    v.note_routed(ours)
+    v.note_routed(ours)  # a second request with the same prompt
+    assert v.match(ours) == 2 and len(v) == 0  # counted, not yet stored
+    v.release_routed(ours, now=10.0, served=True)
+    assert v.match(ours) == 2  # the other one still runs
+    v.release_routed(ours, now=11.0, served=True)
+    assert v.match(ours) == 2  # ended, events not in yet: held for pending_s
+    v.release_routed([], now=13.5, served=True)  # time passes
+    assert v.match(ours) == 0  # no event ever came: not held
+    v.note_routed(ours)
+    v.release_routed(ours, now=20.0, served=False)  # failed: nothing stored
+    assert v.match(ours) == 0
+    v.note_routed(ours)
+    through_the_wire(v, stored([1, 2], None, tokens))
+    v.release_routed(ours, now=30.0, served=True)
+    assert v.match(ours) == 2 and not v._released  # confirmed by the events
