@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--time-scale", type=float, default=20.0)
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
+    parser.add_argument("--only", help="the workloads whose name contains this")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "instances")
     args = parser.parse_args(argv)
     tokenizer = build_tiny_model(ROOT / ".cache" / "tiny-tokenizer", tokenizer_only=True)
@@ -97,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     results = []
     for name, requests in workloads(args.quick):
+        if args.only and args.only not in name:
+            continue
         runs: dict[str, list[float]] = {f"{n}:{e}": [] for n, e in cells}
         for _ in range(args.runs):
             for n, events in cells:
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{100 * (m['1:True'] - m[f'{n}:True']):.1f} | {cell(f'{n}:False')} | "
                      f"{100 * (m['1:False'] - m[f'{n}:False']):.1f} | {cell('1:False')} |")
     lines += ["", "Token hit rate from the replicas' own counters. Command: `python -m bench.instances"
-              + (" --quick" if args.quick else "") + f" --runs {args.runs} --instances {n}`"]
+              + (" --quick" if args.quick else "") + (f" --only '{args.only}'" if args.only else "")
+              + f" --runs {args.runs} --instances {n} --time-scale {args.time_scale:g}`"]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
