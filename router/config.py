@@ -106,10 +106,11 @@ class RoutingConfig:
     # a replica holding a cold prefix of the prompt (one its holders can serve at their fair
     # share: PrefixDemand) keeps the request up to looser bounds, in flight and in share, with
     # holder_slack in place of load_slack: moving it would recompute the prefix to relieve a
-    # load that replicating it cannot cure. Equal to load_factor turns this off. Measured on 4
-    # simulated replicas (bench.compare --quick, one run each): SGLang's shared-prefix shape
-    # 0.838 -> 0.882 (the pooled bound) at 1.25x busiest, vLLM's prefix_repetition chat 0.753 ->
-    # 0.798, a dozen agent sessions 0.833 -> 0.865; 400 sessions of one system prompt unchanged
+    # load that replicating it cannot cure. Both factors at load_factor and holder_slack at
+    # load_slack turn it off. Measured on 4 simulated replicas (bench.compare --quick, one run
+    # each): SGLang's shared-prefix shape 0.838 -> 0.882 (the pooled bound) at 1.25x busiest,
+    # vLLM's prefix_repetition chat 0.753 -> 0.798, a dozen agent sessions 0.833 -> 0.865, 400
+    # sessions of one system prompt 0.924 -> 0.929
     holder_load_factor: float = 2.0
     holder_share_factor: float = 1.5
     holder_slack: int = 2

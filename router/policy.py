@@ -211,7 +211,6 @@ class PrefixAffinityPolicy:
                         key_depth=depth, key=key, spilled_from=preferred if route is Route.SPILL else None,
                         matches=matches)
 
-
     def _holds_cold_prefix(self, name: str, hashes: Sequence[BlockHash], matches: Mapping[str, int]) -> bool:
         """Whether ``name`` holds a prefix of the prompt that its holders can serve at their
         fair share: the share of recent requests through the deepest block it holds, times the
