@@ -52,7 +52,7 @@ def _wait_for_streams(urls: list[str], timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         views = [json.loads(urllib.request.urlopen(u + "/replicas", timeout=5).read())["replicas"] for u in urls]
-        if all(r["kv_events"] is not None for view in views for r in view):
+        if all(r["kv_events"] is not None and r["kv_events"]["routing_by_events"] for view in views for r in view):
             return
         time.sleep(0.2)
     raise RuntimeError("the gateways found no KV event streams")

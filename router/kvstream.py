@@ -38,7 +38,8 @@ __all__ = ["EventStream", "REBUILD_BLOCKS"]
 
 MAX_MESSAGE_BYTES = 64 << 20  # one batch larger than this is not an engine's (a 128K-token prompt is ~1 MB)
 YIELD_EVERY = 64  # batches applied between yields to the event loop during a replay
-CATCH_UP_EVERY_S = 1.0  # at most one catch_up a second (each parity recheck may ask for one)
+CONNECT_WAIT_S = 5.0  # a publisher not connected by then: catch up anyway (the live stream repairs later)
+SUBSCRIBE_WAIT_S = 0.05  # after CONNECTED, for the subscription to reach the publisher (a loopback round trip)
 SEEN_BATCHES = 1024  # digests kept to tell a batch delivered twice from a restarted engine's
 REBUILD_BLOCKS = 28_000  # when the replica's capacity is unknown: router/sim/config.py's H100 replica
 
@@ -75,7 +76,7 @@ class EventStream:
         self._lock = asyncio.Lock()  # one of receive and catch_up at a time: batches apply in order
         self._seen: OrderedDict[int, int] = OrderedDict()  # seq -> payload digest, the last SEEN_BATCHES
         self.stopped = False  # run() ended (an error): the view is no longer followed
-        self._caught_up_at = -1e9  # monotonic time of the last catch_up, to space them
+        self._catching_up: asyncio.Future | None = None  # the catch_up running, which others join
 
     @property
     def fresh(self) -> bool:
@@ -98,9 +99,11 @@ class EventStream:
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         try:
-            sub.connect(self.endpoint)
-            # what the engine published before this gateway started (an idle engine may publish
-            # nothing more for a long time): its buffer, or an empty stream
+            await self._connected(sub)
+            # what the engine published before this gateway subscribed (an idle engine may
+            # publish nothing more for a long time): its buffer, or an empty stream. Only once
+            # the subscription is in place: a batch published before it would be lost with
+            # nothing after it to reveal the gap, while the view said it knew the cache.
             with contextlib.suppress(zmq.ZMQError):
                 await self.catch_up()
             while True:
@@ -118,6 +121,19 @@ class EventStream:
             self.stopped = True
             sub.close()
 
+    async def _connected(self, sub) -> None:
+        """Connect ``sub`` and wait until the publisher can have its subscription (ZMQ's
+        CONNECTED event, then a moment for the subscription message), at most CONNECT_WAIT_S."""
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        try:
+            sub.connect(self.endpoint)
+            if await monitor.poll(CONNECT_WAIT_S * 1000):
+                await monitor.recv_multipart()
+            await asyncio.sleep(SUBSCRIBE_WAIT_S)
+        finally:
+            sub.disable_monitor()
+            monitor.close()
+
     async def receive(self, seq: int, payload: bytes) -> None:
         """Apply one message from the live stream, after any batches it shows are missing."""
         async with self._lock:
@@ -126,11 +142,18 @@ class EventStream:
     async def catch_up(self) -> int:
         """Ask the replay socket for every batch after the last one seen: a message lost on the
         way that no later one has revealed yet (a SUB socket joining late, or the engine's last
-        step before going idle). Returns the batches applied."""
-        if not self.replay_endpoint or time.monotonic() - self._caught_up_at < CATCH_UP_EVERY_S:
+        step before going idle). Returns the batches applied. Calls made while one runs wait for
+        it rather than asking again (every parity recheck may call this)."""
+        if not self.replay_endpoint:
             return 0
+        running = self._catching_up
+        if running is not None and not running.done():
+            return await asyncio.shield(running)
+        self._catching_up = asyncio.ensure_future(self._catch_up())
+        return await asyncio.shield(self._catching_up)
+
+    async def _catch_up(self) -> int:
         async with self._lock:
-            self._caught_up_at = time.monotonic()
             start = 0 if self.last_seq is None else self.last_seq + 1
             replayed = await self._replay(start, 1 << 63)
             if replayed is None:

@@ -24,12 +24,11 @@ async def start_gateway(aiohttp_client, servers, tokenizer=None, request_log=Non
             "kv_events": {"parity_grace_s": 0.3}, "request_log": request_log}
     client = await aiohttp_client(create_app(config_from_dict(data), tokenizer or ByteTokenizer()))
     gw = client.server.app[GATEWAY]
-    for _ in range(200):  # the streams start once each replica's models are known
-        if all(r.stream is not None and r.stream.last_seq is not None or r.stream is not None and r.stream.batches == 0
-               for r in gw.replicas.values()):
+    for _ in range(300):  # the streams start once each replica's models are known, and are
+        if all(r.stream is not None and r.stream.fresh for r in gw.replicas.values()):  # fresh once subscribed
             break
         await asyncio.sleep(0.02)
-    assert all(r.stream is not None for r in gw.replicas.values()), gw.describe()
+    assert all(r.stream is not None and r.stream.fresh for r in gw.replicas.values()), gw.describe()
     return client, gw
 
 
@@ -132,8 +131,9 @@ async def _hit_rate(fleet, aiohttp_server, requests, instances: int, events: boo
     config = config_from_dict({"replicas": urls, "health": {"interval_s": 1}, "scrape": {"interval_s": 0.1},
                                "kv_events": {"enabled": events}})
     servers = [await aiohttp_server(create_app(config, ByteTokenizer())) for _ in range(instances)]
-    for _ in range(200):
-        if not events or all(r.stream is not None for s in servers for r in s.app[GATEWAY].replicas.values()):
+    for _ in range(300):
+        if not events or all(r.stream is not None and r.stream.fresh
+                             for s in servers for r in s.app[GATEWAY].replicas.values()):
             break
         await asyncio.sleep(0.02)
     records = await replay(requests, [str(s.make_url("")) for s in servers], model=MODEL, time_scale=50,

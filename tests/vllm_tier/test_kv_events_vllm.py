@@ -78,10 +78,10 @@ def _gateway(urls, tmp_path: Path, tokenizer: Path, block_size: int | None = Non
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # the streams start once each replica's models are known
             view = json.loads(get(url + "/replicas"))["replicas"]
-            if all(r["kv_events"] is not None for r in view):
+            if all(r["kv_events"] is not None and r["kv_events"]["routing_by_events"] for r in view):
                 break
             time.sleep(0.2)
-        assert all(r["kv_events"] is not None for r in view), view
+        assert all(r["kv_events"] is not None and r["kv_events"]["routing_by_events"] for r in view), view
         yield url, log
 
 
@@ -91,6 +91,17 @@ def _logged(tmp_path: Path) -> str:
 
 def _metrics(url: str) -> str:
     return get(url + "/metrics").decode()
+
+
+def _metrics_once(url: str, done, timeout_s: float = 15.0) -> str:
+    """The gateway's /metrics once ``done(page)``, or after ``timeout_s`` (parity checks wait
+    ``parity_grace_s`` after each request, and may ask the replay socket first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        page = _metrics(url)
+        if done(page) or time.monotonic() > deadline:
+            return page
+        time.sleep(0.25)
 
 
 def test_with_events_every_prediction_is_the_engines_under_eviction(engines, tmp_path):
@@ -120,8 +131,7 @@ def test_a_gateway_with_another_tokenizer_raises_the_parity_alarm_and_says_why(e
             body = {"model": "tiny", "max_tokens": 4,
                     "messages": [{"role": "user", "content": f"question {i}: " + "words of a prompt " * 30}]}
             post_json(url + "/v1/chat/completions", body)
-        time.sleep(3.0)  # parity_grace_s
-        page = _metrics(url)
+        page = _metrics_once(url, lambda p: sample_sum(p, "prefix_router_kv_parity_total", result="mismatch") >= 3)
         view = json.loads(get(url + "/replicas"))["replicas"]
     assert sample_sum(page, "prefix_router_kv_parity_total", result="mismatch") >= 3
     hints = [r["kv_events"]["parity_hint"] for r in view if r["kv_events"]["parity_mismatches"]]
@@ -133,8 +143,7 @@ def test_a_gateway_with_another_block_size_names_the_block_size(engines, tmp_pat
     with _gateway(engines, tmp_path, tiny_model(), block_size=16) as (url, _):
         for i in range(3):
             post_json(url + "/v1/completions", {"model": "tiny", "max_tokens": 2, "prompt": f"{i} " + "a b c d " * 40})
-        time.sleep(3.0)  # parity_grace_s
-        page = _metrics(url)
+        page = _metrics_once(url, lambda p: sample_sum(p, "prefix_router_kv_parity_total", result="mismatch") >= 3)
         view = json.loads(get(url + "/replicas"))["replicas"]
     assert sample_sum(page, "prefix_router_kv_parity_total", result="mismatch") == 3
     hints = [r["kv_events"]["parity_hint"] for r in view if r["kv_events"]["parity_mismatches"]]
