@@ -149,33 +149,30 @@ async def publisher():
     pub.close()
 
 
+def published(pub, first: int, n: int):
+    """``n`` one-block prompts published on ``pub`` (nobody listening yet): their roots, a
+    stream for ``pub``, and the payloads in its buffer."""
+    roots = [_root(i) for i in range(first, first + n)]
+    for _, event in roots:
+        pub.publish([event])
+    return roots, stream_for(pub), [p for _, p in pub._buffer]
+
+
 def stream_for(pub, **kw):
     endpoint, replay = pub.endpoints
     return EventStream("replica-0", endpoint, kw.pop("replay", replay), view(), **kw)
 
 
-async def test_a_stream_joined_late_replays_what_was_published_before():
-    pub = sim_events.EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
-    replay_task = asyncio.create_task(pub.serve_replay())
-    try:
-        roots = [_root(i) for i in range(6)]
-        for _, event in roots[:5]:
-            pub.publish([event])  # nobody subscribed yet
-        stream = stream_for(pub)
-        await stream.receive(5, encode(roots[5][1]))  # the first message the stream sees
-        assert all(stream.view.match([h]) == 1 for h, _ in roots)
-        assert stream.fresh and stream.gaps_repaired == 0 and stream.last_seq == 5
-    finally:
-        replay_task.cancel()
-        pub.close()
+async def test_a_stream_joined_late_replays_what_was_published_before(publisher):
+    roots, stream, _ = published(publisher, 0, 5)  # nobody subscribed yet
+    root, event = _root(5)
+    await stream.receive(5, encode(event))  # the first message the stream sees
+    assert all(stream.view.match([h]) == 1 for h, _ in roots + [(root, event)])
+    assert stream.fresh and stream.gaps_repaired == 0 and stream.last_seq == 5
 
 
 async def test_a_gap_mid_stream_is_repaired_through_the_replay_socket(publisher):
-    roots = [_root(i) for i in range(10, 14)]
-    for _, event in roots:
-        publisher.publish([event])
-    stream = stream_for(publisher)
-    payloads = [p for _, p in publisher._buffer]
+    roots, stream, payloads = published(publisher, 10, 4)
     await stream.receive(0, payloads[0])
     await stream.receive(3, payloads[3])  # 1 and 2 lost on the way
     assert stream.gaps_repaired == 1 and stream.fresh
@@ -260,11 +257,7 @@ async def test_the_stream_follows_a_live_publisher_over_zmq(publisher):
 
 
 async def test_catch_up_fetches_a_last_batch_no_later_message_revealed_and_ignores_it_arriving_late(publisher):
-    roots = [_root(i) for i in range(100, 103)]
-    for _, event in roots:
-        publisher.publish([event])
-    stream = stream_for(publisher)
-    payloads = [p for _, p in publisher._buffer]
+    roots, stream, payloads = published(publisher, 100, 3)
     await stream.receive(0, payloads[0])  # 1 and 2 never arrive live
     assert await stream.catch_up() == 2
     assert [stream.view.match([h]) for h, _ in roots] == [1, 1, 1] and stream.last_seq == 2
