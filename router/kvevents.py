@@ -206,6 +206,10 @@ class EngineView:
         # one that computes its prefix, must see them before the events do
         self._inflight: dict[BlockHash, int] = {}
         self._released: OrderedDict[BlockHash, float] = OrderedDict()
+        # routed blocks the engine evicted while a request that wants them was in flight (the
+        # removal's number in ``removals``): its prefill recomputes them, though predicted held
+        self._evicted: dict[BlockHash, int] = {}
+        self.removals = 0  # blocks removed, ever
         self._engine: dict[EngineHash, list] = {}  # engine hash -> [gateway hash, count]
         self._blocks: dict[BlockHash, int] = {}  # gateway hash -> engine hashes holding it
         self._ghosts: OrderedDict[BlockHash, None] = OrderedDict()
@@ -228,11 +232,26 @@ class EngineView:
             n += 1
         return n
 
-    def note_routed(self, hashes: Sequence[BlockHash]) -> None:
-        """Count a request's blocks as held from the moment it is sent until it ends."""
+    def note_routed(self, hashes: Sequence[BlockHash]) -> int:
+        """Count a request's blocks as held from the moment it is sent until it ends. Returns
+        the number of removals so far, for ``first_evicted``."""
         inflight = self._inflight
         for h in hashes:
             inflight[h] = inflight.get(h, 0) + 1
+        return self.removals
+
+    def first_evicted(self, hashes: Sequence[BlockHash], n: int, since: int) -> int | None:
+        """The first of the leading ``n`` blocks of a request in flight that the engine evicted
+        after removal number ``since`` (``note_routed``'s answer), or None. vLLM evicts free
+        blocks to make room for other requests' (``kv_cache_utils.FreeKVCacheBlockQueue``, tail
+        blocks first): one queued behind them finds less of its prefix than it was routed for."""
+        evicted = self._evicted
+        if not evicted:
+            return None
+        for i, h in enumerate(hashes[:n]):
+            if evicted.get(h, -1) > since:
+                return i
+        return None
 
     def release_routed(self, hashes: Sequence[BlockHash], now: float, served: bool) -> None:
         """The request sent with ``note_routed`` ended (``now``: monotonic s). ``served``: the
@@ -245,6 +264,7 @@ class EngineView:
                 inflight[h] = left
                 continue
             inflight.pop(h, None)
+            self._evicted.pop(h, None)
             if served and h not in blocks:
                 released.pop(h, None)
                 released[h] = now
@@ -275,6 +295,7 @@ class EngineView:
         self._ghosts.clear()
         self._inflight.clear()
         self._released.clear()
+        self._evicted.clear()
 
     def apply(self, event: Event) -> None:
         """Update the view with one event."""
@@ -286,7 +307,12 @@ class EngineView:
             for engine_hash in event.block_hashes:
                 self._removed(engine_hash)
         elif isinstance(event, AllBlocksCleared):
+            # vLLM queues the event when the cache is reset and publishes it after its next step
+            # (``Scheduler.update_from_output``): the requests in flight then store their blocks
+            # after it, so their tallies stay
+            inflight, evicted = dict(self._inflight), dict(self._evicted)
             self.clear()
+            self._inflight, self._evicted = inflight, evicted
 
     def _stored(self, event: BlockStored) -> None:
         if event.medium not in (None, "GPU") or event.group_idx not in (None, 0):
@@ -338,6 +364,9 @@ class EngineView:
             self._blocks[h] = left
             return
         self._blocks.pop(h, None)
+        self.removals += 1
+        if h in self._inflight:
+            self._evicted[h] = self.removals
         self._ghosts[h] = None
         if len(self._ghosts) > self.max_ghosts:
             self._ghosts.popitem(last=False)

@@ -44,6 +44,7 @@ from .changes import redacted_excerpt
 from .conversations import CacheResult, Conversation, classify
 from .errors import error_body, openai_error
 from .gateway import Gateway
+from .kvevents import EngineView
 from .policy import Decision, ReplicaView, Route
 from .prompts import PromptInfo, analyze, check_body
 from .requestlog import conversation_tag
@@ -255,8 +256,7 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
         # burst of one prefix sees it; take back what this attempt added if it fails.
         added = replica.shadow.insert(info.hashes)
         view = replica.stream.view if replica.stream is not None and info.exact else None
-        if view is not None:
-            view.note_routed(info.hashes)
+        watch = (view, view.note_routed(info.hashes)) if view is not None else None
         t0 = time.perf_counter()
         outcome: bool | None = None  # None: says nothing of the replica (cancelled, client gone, 5xx)
         try:
@@ -264,7 +264,7 @@ async def _forward(request: web.Request, gw: Gateway, decision: Decision, info: 
                 gw.http.post(replica.url + up.path, data=up.payload, headers=up.headers), header_timeout)
             async with upstream:
                 if upstream.status < 500:
-                    response, status = await _relay(request, gw, upstream, name, decision, info, up, t0)
+                    response, status = await _relay(request, gw, upstream, name, decision, info, up, t0, watch)
                     if status == 200 and info.exact:
                         check_parity(gw, replica, info.hashes, sent_at)
                     if status != _CLIENT_GONE:
@@ -374,9 +374,10 @@ class _UsageFilter:
 
 
 async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: str, decision: Decision,
-                 info: PromptInfo, up: _Upstream, t0: float) -> tuple[web.StreamResponse, int]:
+                 info: PromptInfo, up: _Upstream, t0: float,
+                 watch: tuple[EngineView, int] | None) -> tuple[web.StreamResponse, int]:
     """Pass the replica's answer to the client (streams chunk by chunk as they arrive, in whole
-    lines), then account for it.
+    lines), then account for it. ``watch``: the replica's event view and ``note_routed``'s answer.
     Returns the response and the status counted (502 for a stream cut after it started)."""
     usage = None
     ttft = None
@@ -441,12 +442,13 @@ async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: s
         if status != _CLIENT_GONE:
             with contextlib.suppress(ConnectionError):
                 await response.write_eof()
-    _account(gw, name, decision, info, up, status, usage, ttft, time.perf_counter() - t0)
+    _account(gw, name, decision, info, up, status, usage, ttft, time.perf_counter() - t0, watch)
     return response, status
 
 
 def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, up: _Upstream, status: int,
-              usage: dict | None, ttft: float | None, elapsed: float) -> None:
+              usage: dict | None, ttft: float | None, elapsed: float,
+              watch: tuple[EngineView, int] | None = None) -> None:
     m = gw.metrics
     m.requests.labels(name, decision.route.value, str(status)).inc()
     if decision.route is Route.SPILL and decision.spilled_from:
@@ -493,8 +495,14 @@ def _account(gw: Gateway, name: str, decision: Decision, info: PromptInfo, up: _
     if conversation:
         gw.conversations.put(conversation, Conversation.of(info.hashes, info.message_hashes, info.print))
     if gw.request_log is not None:
+        evicted = 0  # predicted tokens the engine evicted while the request waited to be scheduled
+        if watch is not None:
+            first = watch[0].first_evicted(info.hashes, decision.predicted_blocks, watch[1])
+            if first is not None:
+                evicted = predicted - min(int(first * to_tokens), predicted)
         _log(gw, up, replica=name, route=decision.route.value, status=status, prompt_tokens=prompt_tokens,
-             cached_tokens=cached_tokens, predicted_cached_tokens=predicted, result=verdict.result.value,
+             cached_tokens=cached_tokens, predicted_cached_tokens=predicted, evicted_in_flight_tokens=evicted,
+             result=verdict.result.value,
              lost_tokens=lost, cause=change.cause.value if change else None,
              diverged_message=change.message_index if change else None,
              diverged_token=int(verdict.diverged_block * to_tokens) if change else None,

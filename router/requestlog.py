@@ -4,7 +4,9 @@ Off by default (``request_log`` in the configuration names the file). Each line 
 gateway decided and what the engine reported, never prompt text: ``t`` (Unix seconds),
 ``replica``, ``route`` (affinity, spill, sticky, fallback), ``status``, ``prompt_tokens``,
 ``cached_tokens`` (the engine's ``prompt_tokens_details.cached_tokens``),
-``predicted_cached_tokens`` (what the gateway believed the replica held), ``result`` (hit or a
+``predicted_cached_tokens`` (what the gateway believed the replica held),
+``evicted_in_flight_tokens`` (of those, the ones the replica's KV events showed evicted while the
+request waited: they were held when it was routed, and the engine recomputed them), ``result`` (hit or a
 miss kind, see ``conversations.py``), ``lost_tokens``, ``cause``, ``diverged_message`` and
 ``diverged_token`` (for ``miss_changed``: ``causes.py``), ``conversation`` (a 64-bit hash of the
 conversation id, so the session key itself stays out), ``ttft_s`` and ``elapsed_s``.

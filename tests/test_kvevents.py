@@ -125,11 +125,16 @@ def test_what_the_view_cannot_use_is_counted_not_guessed():
     assert len(v) == 0 and v.orphans == 1 and v.foreign_block_size == 1
 
 
-def test_all_blocks_cleared_empties_the_view():
+def test_all_blocks_cleared_empties_the_view_but_not_the_requests_in_flight():
     v = view()
     through_the_wire(v, stored([1], None, list(range(4))))
+    running = block_hashes(list(range(50, 58)), BS, seed(None, None))
+    v.note_routed(running)  # sent before the clear was published: vLLM publishes it after a step
     v.apply(AllBlocksCleared())
     assert len(v) == 0 and v.match(block_hashes(list(range(4)), BS, seed(None, None))) == 0
+    assert v.match(running) == 2  # it stores its blocks after the clear
+    v.clear()  # an engine restart, or a lost gap: nothing is known
+    assert v.match(running) == 0
 
 
 # --- the stream ----------------------------------------------------------------------------
@@ -375,6 +380,23 @@ async def test_events_describing_more_blocks_than_the_replica_holds_make_the_vie
     assert stream.fresh
     await stream.receive(1, encode(stored([3, 4], 2, list(range(8, 16)))))  # 4 > 3: no real cache
     assert not stream.fresh and "more blocks than the replica holds" in stream.stale_reason
+
+
+def test_blocks_evicted_while_a_request_waits_are_told_apart_from_those_evicted_before_it_was_sent():
+    v = view()
+    tokens = list(range(400, 416))  # 4 blocks
+    ours = block_hashes(tokens, BS, seed(None, None))
+    through_the_wire(v, stored([41, 42, 43, 44], None, tokens))
+    v.apply(BlockRemoved([44]))  # before the request: the routing saw it gone
+    since = v.note_routed(ours[:3])
+    assert v.first_evicted(ours, 3, since) is None
+    v.apply(BlockRemoved([43, 42]))  # another request's allocation evicts the tail first
+    assert v.first_evicted(ours, 3, since) == 1 and v.first_evicted(ours, 1, since) is None
+    later = v.note_routed(ours[:1])  # a request sent after those removals did not lose them
+    assert v.first_evicted(ours, 3, later) is None
+    v.release_routed(ours[:3], now=1.0, served=True)
+    v.release_routed(ours[:1], now=1.0, served=True)
+    assert not v._evicted  # nothing kept past the requests that wanted the blocks
 
 
 def test_blocks_of_requests_in_flight_count_until_they_end_and_then_until_the_events_confirm_them():
