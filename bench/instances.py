@@ -12,6 +12,11 @@ Workloads: the built-in mixed workload (multi-turn chats and agents sharing syst
 tools), a dozen agent sessions (``bench.compare``'s), and SGLang's generated-shared-prefix shape
 (``bench/shapes.py``: many single-turn prompts per shared document).
 
+The replay runs ``--time-scale`` times faster than the workload's clock, and so do the gateways'
+scrapes of the replicas (``--scrape-interval`` of workload time): an instance counts the
+requests the others have running from the last scrape, and a scrape as old in wall time as in
+a real deployment would be ``--time-scale`` times staler next to the requests it counts.
+
     python -m bench.instances                 # 4 instances, 3 runs each (~15 min on 2 cores)
     python -m bench.instances --runs 1 --quick
 
@@ -64,7 +69,10 @@ def run_cell(requests, instances: int, events: bool, args, tokenizer: Path, log_
                 "--kv-events-config", EVENTS]
     with running([sim_server(log_dir, sim_args) for _ in range(args.replicas)]) as urls:
         config = log_dir / f"gateway-{'events' if events else 'guess'}.yaml"
-        config.write_text(f"kv_events: {{enabled: {str(events).lower()}}}\nscrape: {{interval_s: 0.5}}\n")
+        # the replay runs time_scale x faster than the workload's clock: so do the scrapes, or
+        # each instance's count of the others' requests (a scrape old) would be time_scale x staler
+        interval = args.scrape_interval / args.time_scale
+        config.write_text(f"kv_events: {{enabled: {str(events).lower()}}}\nscrape: {{interval_s: {interval:g}}}\n")
         gateways = [gateway_server(log_dir, urls, ["--config", str(config), "--tokenizer", str(tokenizer)])
                     for _ in range(instances)]
         with running(gateways) as targets:
@@ -87,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--time-scale", type=float, default=20.0)
+    parser.add_argument("--scrape-interval", type=float, default=1.0,
+                        help="the gateways' scrape interval in the workload's seconds (the gateway's default, 1 s)")
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
     parser.add_argument("--only", help="the workloads whose name contains this")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "instances")
@@ -113,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     n = args.instances
     lines = [f"{args.replicas} simulated replicas publishing KV events, tiny tokenizer on both sides, no session "
-             f"ids, time scale {args.time_scale:g}; {args.runs} run(s) of every cell on fresh replicas, medians "
+             f"ids, time scale {args.time_scale:g}, scrapes every {args.scrape_interval:g} s of workload time; {args.runs} run(s) of every cell on fresh replicas, medians "
              f"(min-max); {platform.python_version()}, {time.perf_counter() - started:.0f} s", "",
              f"| workload | requests | 1 gateway, events | {n} gateways, events | gap (points) | "
              f"{n} gateways, no events | gap (points) | 1 gateway, no events |", "|---|---|---|---|---|---|---|---|"]
@@ -125,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{100 * (m['1:False'] - m[f'{n}:False']):.1f} | {cell('1:False')} |")
     lines += ["", "Token hit rate from the replicas' own counters. Command: `python -m bench.instances"
               + (" --quick" if args.quick else "") + (f" --only '{args.only}'" if args.only else "")
-              + f" --runs {args.runs} --instances {n} --time-scale {args.time_scale:g}`"]
+              + f" --runs {args.runs} --instances {n} --time-scale {args.time_scale:g} --scrape-interval {args.scrape_interval:g}`"]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
