@@ -34,6 +34,7 @@ import logging
 import time
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from .admission import QueueFull, QueueTimeout
@@ -78,9 +79,19 @@ async def _read_raw(request: web.Request, limit: int) -> bytes | web.Response:
         return openai_error(400, f"request body could not be read ({type(exc).__name__})", "body")
 
 
+def _loads(data: bytes):
+    """JSON from bytes: orjson, or Python's json for what orjson refuses and it takes (lone
+    surrogates, NaN and Infinity, as vLLM writes a -inf logprob). Raises ValueError or
+    RecursionError for what neither takes, with the standard parser's message."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
+
+
 def _parse(raw: bytes) -> dict | web.Response:
     try:
-        body = json.loads(raw)
+        body = _loads(raw)
     except (ValueError, RecursionError) as exc:
         return openai_error(400, f"JSON decode error: {str(exc)[:200]}", "body")
     if not isinstance(body, dict):
@@ -363,7 +374,7 @@ class _UsageFilter:
                 continue
             if line.startswith(b"data: {") and b'"usage":{' in line and b'"choices":[]' in line:
                 try:
-                    self.usage = json.loads(line[6:]).get("usage")
+                    self.usage = _loads(line[6:]).get("usage")
                 except (ValueError, AttributeError):
                     pass
                 if not self.keep_usage:
@@ -388,7 +399,7 @@ async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: s
         data = await upstream.read()
         if upstream.status == 200:
             try:
-                usage = json.loads(data).get("usage")
+                usage = _loads(data).get("usage")
             except (ValueError, AttributeError):
                 usage = None
             ttft = time.perf_counter() - t0
