@@ -171,7 +171,10 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
             session = f"{tenant.name}:{session}"  # tenants' session ids never meet
     payload = _patched(raw, body, extra)
     body.update(extra)  # what the replica sees is what routing hashes (the salt seeds the blocks)
-    info: PromptInfo = await asyncio.get_running_loop().run_in_executor(gw.executor, _analyze, gw, body, chat, session)
+    if len(raw) <= gw.config.limits.inline_analysis_bytes:
+        info = _analyze(gw, body, chat, session)
+    else:
+        info = await asyncio.get_running_loop().run_in_executor(gw.executor, _analyze, gw, body, chat, session)
     if gw.config.log_prompts:  # an operator's explicit choice (off by default)
         log.info("request conversation=%s units=%d body=%.500r", info.conversation, info.num_units, raw)
     rejected = await _admit(gw)
@@ -197,7 +200,7 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
 def _analyze(gw: Gateway, body: dict, chat: bool, session: str | None) -> PromptInfo:
     """``prompts.analyze``, plus the fingerprint ``causes.diagnose`` needs when the request
     belongs to a conversation (built on the previous one's, so only new messages cost).
-    Runs in a worker thread."""
+    Runs on the event loop, or in a worker thread for big bodies (``limits.inline_analysis_bytes``)."""
     info = analyze(body, chat, gw.tokenizer, gw.block_size, gw.config.routing.char_block_size, session)
     if info.conversation:
         previous = gw.conversations.get(info.conversation)
