@@ -204,7 +204,7 @@ def _analyze(gw: Gateway, body: dict, chat: bool, session: str | None) -> Prompt
     info = analyze(body, chat, gw.tokenizer, gw.block_size, gw.config.routing.char_block_size, session)
     if info.conversation:
         previous = gw.conversations.get(info.conversation)
-        info.print = fingerprint(body, previous.print if previous is not None else None)
+        info.print = fingerprint(body, previous.print if previous is not None else None, info.message_hashes)
     return info
 
 

@@ -159,7 +159,33 @@ def _compiled_template(tok: Any) -> tuple[Any, dict]:
         from transformers.utils.chat_template_utils import _compile_jinja_template
     except ImportError:
         return None, {}
-    return _compile_jinja_template(template), dict(tok.special_tokens_map)
+    env = _compile_jinja_template(template).environment  # transformers' sandbox, filters, globals
+    fast = object.__new__(_dict_first(type(env)))
+    fast.__dict__.update(env.__dict__)  # as jinja2's Environment.overlay copies one
+    return fast.from_string(template), dict(tok.special_tokens_map)
+
+
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+def _dict_first(sandbox: type) -> type:
+    """``sandbox`` (jinja2's sandboxed environment class that transformers renders in) with
+    ``message.role`` on a plain dict read as the item at once. The sandbox first asks the dict
+    for an attribute of that name and catches the AttributeError, for every field a template
+    reads (a third of the rendering time, measured with py-spy); a plain dict has no attributes
+    but its class's, so the result is the same: a name of ``dict``'s own still goes through
+    the sandbox."""
+
+    class DictFirst(sandbox):
+        def getattr(self, obj, attribute):
+            if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+                try:
+                    return obj[attribute]
+                except KeyError:
+                    return self.undefined(obj=obj, name=attribute)
+            return super().getattr(obj, attribute)
+
+    return DictFirst
 
 
 class HFTokenizer:

@@ -69,10 +69,10 @@ def test_the_prefix_cache_is_used_and_stays_within_its_bound(tokenizer_dir):
 # --- the compiled template against apply_chat_template ---------------------------------------
 
 # a template reading what the tiny one does not: a special token, a message's name, a kwarg,
-# reasoning, tool call ids, a loop variable and a filter
+# reasoning, tool call ids, a dict's own methods, a loop variable and a filter
 OTHER_TEMPLATE = (
     "{{ bos_token or '' }}{%- for m in messages %}[{{ loop.index }}:{{ m.role }}"
-    "{%- if m.name is defined %}({{ m.name }}){%- endif %}]"
+    "{%- if m.name is defined %}({{ m.name }}){%- endif %}{{ m.keys() | list | length }}{{ m.get('nope', '') }}]"
     "{%- if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{%- endif %}"
     "{{ m.content | trim }}{%- for c in m.tool_calls or [] %}{{ c.id }}={{ c.function | tojson }}{%- endfor %}"
     "{%- if m.tool_call_id is defined %}#{{ m.tool_call_id }}{%- endif %}<|im_end|>{%- endfor %}"
