@@ -333,6 +333,10 @@ class GatewayConfig:
     # seconds SIGTERM waits for in-flight requests (streams included) to finish before exit;
     # Kubernetes' default terminationGracePeriodSeconds is 30, so 25 leaves the rest for exit
     drain_s: float = 25.0
+    # gateway processes sharing the port (SO_REUSEPORT), one event loop each: router/workers.py.
+    # One process serves about as many requests a second as one core allows
+    # (bench/results/overhead.md); raise it when the gateway's core is the bottleneck
+    workers: int = 1
 
 
 # --- value checks ------------------------------------------------------------------------
@@ -488,6 +492,7 @@ _CHECKS: dict[tuple[type, str], _Check] = {
     (AdmissionConfig, "max_queue"): _NON_NEGATIVE,
     (AdmissionConfig, "timeout_s"): _TIME,
     (GatewayConfig, "drain_s"): _TIME,  # aiohttp reads 0 as "wait forever"
+    (GatewayConfig, "workers"): _POSITIVE,
     (TenantConfig, "name"): _tenant_name,
     (TenantConfig, "keys"): _secrets,
     (TenantConfig, "cache_salt"): _salt,
