@@ -16,7 +16,7 @@ import time
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from .cacheview import follow_events
 from .config import GatewayConfig
@@ -133,7 +133,7 @@ def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None) 
         return web.json_response({"healthy_replicas": routable}, status=200 if routable else 503)
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(gw.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=gw.metrics.page(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def replicas(request: web.Request) -> web.Response:
         if not gw.tenants.is_admin(request):

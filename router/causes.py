@@ -28,6 +28,7 @@ import json
 import re
 import sys
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -120,6 +121,7 @@ class RequestPrint:
     raw: array
     masked: array
     canonical: array
+    tools_digest: int = 0  # ``digest`` of the tool list, to reuse the tool hashes while it stays
 
     def __len__(self) -> int:
         return len(self.raw)
@@ -163,31 +165,39 @@ def _masked_and_canonical(role: str, message) -> tuple[int, int]:
     return _hash(role + "\x00" + VOLATILE.sub("#", raw)), _hash(role + "\x00" + canonical)
 
 
-def fingerprint(body: dict, previous: RequestPrint | None = None) -> RequestPrint:
+def fingerprint(body: dict, previous: RequestPrint | None = None,
+                digests: Sequence[int] | None = None) -> RequestPrint:
     """The fingerprint of a chat request body (a completion's ``prompt`` counts as one message).
 
     With ``previous`` (the conversation's last print), messages it already had (same ``digest``)
-    reuse its masked and canonical hashes, so a turn costs the regular-expression and JSON work
-    of its new messages only.
+    reuse its masked and canonical hashes, and an unchanged tool list its tool hashes, so a turn
+    costs the regular-expression and JSON work of what is new only. ``digests``: the request's
+    ``digest`` of its tool list then of each message, when the caller has them
+    (``prompts.PromptInfo.message_hashes``).
     """
     tools = body.get("tools") if isinstance(body.get("tools"), list) else []
-    names = tuple(tool_name(t) for t in tools)
-    tool_hashes = tuple(_hash(json.dumps(t, sort_keys=True, default=str)) for t in tools)
     messages = body.get("messages")
     if not isinstance(messages, list):
         messages = [{"role": "prompt", "content": body.get("prompt")}]
+        digests = None
+    if digests is None or len(digests) != len(messages) + 1:
+        digests = (digest(body.get("tools")), *(digest(m) for m in messages))
+    if previous is not None and previous.tools_digest == digests[0] and len(previous.tool_names) == len(tools):
+        names, tool_hashes = previous.tool_names, previous.tool_hashes
+    else:
+        names = tuple(tool_name(t) for t in tools)
+        tool_hashes = tuple(_hash(json.dumps(t, sort_keys=True, default=str)) for t in tools)
     known = {} if previous is None else {
         h: (m, c) for h, m, c in zip(previous.raw, previous.masked, previous.canonical)}
     roles, raw, masked, canonical = [], array("Q"), array("Q"), array("Q")
-    for message in messages:
+    for message, h in zip(messages, digests[1:]):
         role = sys.intern(str(message.get("role"))[:32] if isinstance(message, dict) else "?")
-        h = digest(message)
         m, c = known.get(h) or _masked_and_canonical(role, message)
         roles.append(role)
         raw.append(h)
         masked.append(m)
         canonical.append(c)
-    return RequestPrint(names, tool_hashes, tuple(roles), raw, masked, canonical)
+    return RequestPrint(names, tool_hashes, tuple(roles), raw, masked, canonical, digests[0])
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,7 +90,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "headless Service of the vLLM pods (discovery.dns)")
     p.add_argument("--request-log", default=None, metavar="FILE",
                    help="append one JSON line per request (routing and cache outcome, no prompt text)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="gateway processes sharing the port (the workers setting; default 1)")
     p.set_defaults(func=_run_serve)
+
+
+def _event_loop():
+    """uvloop's event loop where it is installed (Linux, macOS), else asyncio's: the gateway's
+    loop runs every request's I/O, and uvloop's costs less CPU per request
+    (bench/results/overhead)."""
+    try:
+        import uvloop
+    except ImportError:
+        import asyncio
+
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -99,9 +114,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .config import ConfigError, load_config
     from .tokenizer import HFTokenizer
+    from .workers import supervise, worker_index
 
     overrides: dict = {}
-    for key in ("host", "port", "tokenizer", "request_log"):
+    for key in ("host", "port", "tokenizer", "request_log", "workers"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
     if args.replica:
@@ -115,6 +131,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         if not config.replicas and not config.discovery.dns:
             raise ConfigError("replicas: at least one replica is needed (--replica URL, --discover DNS_NAME "
                               "or the config file)")
+        worker = worker_index()
+        if config.workers > 1 and worker is None:
+            return supervise(sys.argv[1:], config.workers, config.drain_s)
         tokenizer = HFTokenizer(config.tokenizer) if config.tokenizer else None
         app = create_app(config, tokenizer)
     except (ConfigError, OSError) as exc:
@@ -124,11 +143,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     # backlog: aiohttp's default of 128 pending connections resets clients in a burst of new
     # connections (measured at 400 requests/s); the kernel caps it at net.core.somaxconn
     web.run_app(app, host=config.host, port=config.port, access_log=None, handler_cancellation=True,
-                shutdown_timeout=config.drain_s, backlog=4096,
-                print=lambda *_: print(f"prefix-router gateway on http://{config.host}:{config.port} "
-                                       f"({config.routing.policy}, {len(config.replicas)} replicas"
-                                       + (f", discovering {config.discovery.dns}" if config.discovery.dns else "")
-                                       + ")", flush=True))
+                shutdown_timeout=config.drain_s, backlog=4096, loop=_event_loop(), reuse_port=worker is not None,
+                print=lambda *_: worker or print(
+                    f"prefix-router gateway on http://{config.host}:{config.port} ({config.routing.policy}, "
+                    f"{len(config.replicas)} replicas"
+                    + (f", discovering {config.discovery.dns}" if config.discovery.dns else "")
+                    + (f", {config.workers} workers" if worker is not None else "") + ")", flush=True))
     return 0
 
 

@@ -250,6 +250,12 @@ class LimitsConfig:
     # off, so the replica stops generating for it and frees its KV blocks; a live client
     # reads within milliseconds
     client_write_timeout_s: float = 60.0
+    # bodies up to this size are tokenized and hashed on the event loop; bigger ones in a
+    # worker thread, which lets the loop serve other streams meanwhile (the tokenizer's Rust
+    # encode releases the GIL) at the cost of the hop (futures, a wake-up, GIL hand-offs: about
+    # a sixth of the CPU of a 1k-token chat, measured with py-spy). Measured on one core: a
+    # warm 1k-token chat analyses in 0.5 ms, 8k in 1.3 ms; a cold 4k-token prompt in about 9 ms
+    inline_analysis_bytes: int = 16 * 1024
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -327,6 +333,10 @@ class GatewayConfig:
     # seconds SIGTERM waits for in-flight requests (streams included) to finish before exit;
     # Kubernetes' default terminationGracePeriodSeconds is 30, so 25 leaves the rest for exit
     drain_s: float = 25.0
+    # gateway processes sharing the port (SO_REUSEPORT), one event loop each: router/workers.py.
+    # One process serves about as many requests a second as one core allows
+    # (bench/results/overhead.md); raise it when the gateway's core is the bottleneck
+    workers: int = 1
 
 
 # --- value checks ------------------------------------------------------------------------
@@ -482,6 +492,7 @@ _CHECKS: dict[tuple[type, str], _Check] = {
     (AdmissionConfig, "max_queue"): _NON_NEGATIVE,
     (AdmissionConfig, "timeout_s"): _TIME,
     (GatewayConfig, "drain_s"): _TIME,  # aiohttp reads 0 as "wait forever"
+    (GatewayConfig, "workers"): _POSITIVE,
     (TenantConfig, "name"): _tenant_name,
     (TenantConfig, "keys"): _secrets,
     (TenantConfig, "cache_salt"): _salt,
@@ -492,6 +503,7 @@ _CHECKS: dict[tuple[type, str], _Check] = {
     (ChangesConfig, "max_sites"): _POSITIVE,
     (ChangesConfig, "snippet_chars"): _bounded(16, 4096),
     (LimitsConfig, "client_write_timeout_s"): _TIME,
+    (LimitsConfig, "inline_analysis_bytes"): _bounded(0),
     (ReplicaConfig, "kv_events"): _zmq_tcp,
     (ReplicaConfig, "kv_events_replay"): _zmq_tcp,
     (KvEventsConfig, "port"): _bounded(1, 65535),

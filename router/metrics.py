@@ -8,10 +8,13 @@ sets; no prompt text ever becomes a label.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
 from .causes import Cause
+from .workers import MULTIPROC_ENV
 
 __all__ = ["GatewayMetrics", "METRIC_NAMES", "sample_sum"]
 
@@ -23,8 +26,20 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+def _mode(mode: str) -> dict:
+    """A gauge's ``multiprocess_mode`` under ``serve --workers N`` (router/workers.py): how the
+    workers' values combine. prometheus-client ignores it in one process."""
+    return {"multiprocess_mode": mode} if MULTIPROC_ENV in os.environ else {}
+
+
 class GatewayMetrics:
-    """The gateway's Prometheus metrics (``registry``: a fresh one unless given)."""
+    """The gateway's Prometheus metrics (``registry``: a fresh one unless given).
+
+    Under ``serve --workers N`` (``PROMETHEUS_MULTIPROC_DIR`` set) every worker writes its
+    values to that directory and ``page`` sums all workers'; gauges combine by their
+    ``multiprocess_mode``: in flight and waiting add up over live workers, a replica is healthy
+    or its events fresh only if every live worker says so, the rest take the largest.
+    """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
@@ -57,17 +72,17 @@ class GatewayMetrics:
                                   ("from_replica", "to_replica"), registry=r)
         self.queue_depth = Gauge("prefix_router_replica_queue_depth",
                                  "Replica queue depth: vllm:num_requests_waiting at the last scrape plus requests sent since.",
-                                 ("replica",), registry=r)
+                                 ("replica",), registry=r, **_mode("livemax"))
         self.inflight = Gauge("prefix_router_replica_inflight", "Requests this gateway has in flight on a replica.",
-                              ("replica",), registry=r)
+                              ("replica",), registry=r, **_mode("livesum"))
         self.healthy = Gauge("prefix_router_replica_healthy", "1 when the replica passes health checks.",
-                             ("replica",), registry=r)
+                             ("replica",), registry=r, **_mode("livemin"))
         self.breaker_state = Gauge("prefix_router_replica_breaker_state",
                                    "Circuit breaker: 0 closed, 1 open (no requests), 2 half-open (one trial).",
-                                   ("replica",), registry=r)
+                                   ("replica",), registry=r, **_mode("livemax"))
         self.admission_waiting = Gauge("prefix_router_admission_waiting",
                                        "Requests waiting in the gateway's admission queue (every replica saturated).",
-                                       registry=r)
+                                       registry=r, **_mode("livesum"))
         self.admission_rejected = Counter("prefix_router_admission_rejected",
                                           "Requests refused while every replica was saturated: queue_full (429), timeout (503).",
                                           ("reason",), registry=r)
@@ -93,9 +108,9 @@ class GatewayMetrics:
         self.kv_view_fresh = Gauge("prefix_router_kv_view_fresh",
                                    "1 while routing reads the replica's KV events, 0 while its view is stale and "
                                    "routing falls back to the gateway's guess; absent without events.",
-                                   ("replica",), registry=r)
+                                   ("replica",), registry=r, **_mode("livemin"))
         self.kv_view_blocks = Gauge("prefix_router_kv_view_blocks", "Blocks the replica's KV events say it holds.",
-                                    ("replica",), registry=r)
+                                    ("replica",), registry=r, **_mode("livemax"))
         self._per_replica = (  # (metric, its label names): what forget_replica clears
             (self.requests, ("replica", "route", "code")), (self.cache_requests, ("replica", "result")),
             (self.prompt_tokens, ("replica",)), (self.cached_predicted, ("replica",)), (self.cached, ("replica",)),
@@ -105,6 +120,15 @@ class GatewayMetrics:
             (self.kv_events, ("replica",)), (self.kv_gaps, ("replica", "outcome")),
             (self.kv_parity, ("replica", "result")), (self.kv_view_fresh, ("replica",)),
             (self.kv_view_blocks, ("replica",)))
+
+    def page(self) -> bytes:
+        """The Prometheus text exposition of every metric: this process's, or every worker's
+        summed under ``serve --workers N``."""
+        if MULTIPROC_ENV not in os.environ:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)
 
     def forget_replica(self, name: str) -> int:
         """Remove every series labelled with replica ``name`` (one that discovery dropped), so

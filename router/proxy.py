@@ -34,6 +34,7 @@ import logging
 import time
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from .admission import QueueFull, QueueTimeout
@@ -78,9 +79,19 @@ async def _read_raw(request: web.Request, limit: int) -> bytes | web.Response:
         return openai_error(400, f"request body could not be read ({type(exc).__name__})", "body")
 
 
+def _loads(data: bytes):
+    """JSON from bytes: orjson, or Python's json for what orjson refuses and it takes (lone
+    surrogates, NaN and Infinity, as vLLM writes a -inf logprob). Raises ValueError or
+    RecursionError for what neither takes, with the standard parser's message."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
+
+
 def _parse(raw: bytes) -> dict | web.Response:
     try:
-        body = json.loads(raw)
+        body = _loads(raw)
     except (ValueError, RecursionError) as exc:
         return openai_error(400, f"JSON decode error: {str(exc)[:200]}", "body")
     if not isinstance(body, dict):
@@ -160,7 +171,10 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
             session = f"{tenant.name}:{session}"  # tenants' session ids never meet
     payload = _patched(raw, body, extra)
     body.update(extra)  # what the replica sees is what routing hashes (the salt seeds the blocks)
-    info: PromptInfo = await asyncio.get_running_loop().run_in_executor(gw.executor, _analyze, gw, body, chat, session)
+    if len(raw) <= gw.config.limits.inline_analysis_bytes:
+        info = _analyze(gw, body, chat, session)
+    else:
+        info = await asyncio.get_running_loop().run_in_executor(gw.executor, _analyze, gw, body, chat, session)
     if gw.config.log_prompts:  # an operator's explicit choice (off by default)
         log.info("request conversation=%s units=%d body=%.500r", info.conversation, info.num_units, raw)
     rejected = await _admit(gw)
@@ -186,11 +200,11 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
 def _analyze(gw: Gateway, body: dict, chat: bool, session: str | None) -> PromptInfo:
     """``prompts.analyze``, plus the fingerprint ``causes.diagnose`` needs when the request
     belongs to a conversation (built on the previous one's, so only new messages cost).
-    Runs in a worker thread."""
+    Runs on the event loop, or in a worker thread for big bodies (``limits.inline_analysis_bytes``)."""
     info = analyze(body, chat, gw.tokenizer, gw.block_size, gw.config.routing.char_block_size, session)
     if info.conversation:
         previous = gw.conversations.get(info.conversation)
-        info.print = fingerprint(body, previous.print if previous is not None else None)
+        info.print = fingerprint(body, previous.print if previous is not None else None, info.message_hashes)
     return info
 
 
@@ -363,7 +377,7 @@ class _UsageFilter:
                 continue
             if line.startswith(b"data: {") and b'"usage":{' in line and b'"choices":[]' in line:
                 try:
-                    self.usage = json.loads(line[6:]).get("usage")
+                    self.usage = _loads(line[6:]).get("usage")
                 except (ValueError, AttributeError):
                     pass
                 if not self.keep_usage:
@@ -388,7 +402,7 @@ async def _relay(request, gw: Gateway, upstream: aiohttp.ClientResponse, name: s
         data = await upstream.read()
         if upstream.status == 200:
             try:
-                usage = json.loads(data).get("usage")
+                usage = _loads(data).get("usage")
             except (ValueError, AttributeError):
                 usage = None
             ttft = time.perf_counter() - t0

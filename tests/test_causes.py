@@ -124,3 +124,20 @@ def test_a_fingerprint_built_on_the_previous_one_equals_one_built_from_scratch()
             incremental = fingerprint(body, previous)
             assert incremental == fingerprint(body)
             previous = incremental
+
+
+def test_a_print_built_on_the_previous_one_and_given_digests_equals_one_built_from_scratch():
+    from router.causes import digest, fingerprint
+
+    tools = [{"type": "function", "function": {"name": "grep", "parameters": {"b": 1, "a": 2}}}]
+    first = {"tools": tools, "messages": [{"role": "system", "content": "at 10:02 today"},
+                                          {"role": "user", "content": "hi"}]}
+    second = {"tools": tools, "messages": first["messages"] + [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "grep", "arguments": '{"q": 1}'}}]},
+        {"role": "user", "content": "next"}]}
+    changed_tools = {**second, "tools": tools + [{"type": "function", "function": {"name": "ls"}}]}
+    previous = fingerprint(first)
+    for body in (second, changed_tools):
+        digests = (digest(body["tools"]), *(digest(m) for m in body["messages"]))
+        assert fingerprint(body, previous, digests) == fingerprint(body, previous) == fingerprint(body)
+    assert fingerprint(changed_tools, previous).tool_names == ("grep", "ls")

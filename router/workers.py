@@ -1,0 +1,106 @@
+"""``prefix-router serve --workers N``: N gateway processes sharing one port.
+
+Each worker is a whole gateway (its own event loop, replica state, shadow indexes and KV-event
+subscriptions) bound to the same host and port with ``SO_REUSEPORT``, so the kernel spreads new
+connections over them. They agree without talking to each other: the ring is a function of the
+replica names, and with KV events on (``router/kvstream.py``) every worker reads the engines'
+own picture of their caches; without events each learns only from the requests it served.
+
+Metrics: prometheus-client's multiprocess mode. The supervisor gives the workers one empty
+directory (``PROMETHEUS_MULTIPROC_DIR``), each writes its values there, and ``GET /metrics`` on
+any worker sums them (``GatewayMetrics.page``). Gauges combine as their meaning asks: requests
+in flight add up over live workers, a replica counts as healthy only if every live worker sees
+it healthy (``router/metrics.py``).
+
+The supervisor restarts a worker that dies (after ``RESTART_DELAY_S``), and on SIGTERM or
+SIGINT passes the signal on and waits for every worker's drain (``drain_s``) before it exits.
+A worker that exits with status 2 (a configuration error) stops the whole gateway.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = ["MULTIPROC_ENV", "WORKER_ENV", "supervise", "worker_index"]
+
+log = logging.getLogger(__name__)
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's own variable
+WORKER_ENV = "PREFIX_ROUTER_WORKER"  # set in each worker process: its index, from 0
+RESTART_DELAY_S = 1.0
+CONFIG_ERROR = 2  # what ``prefix-router serve`` exits with for a bad configuration
+
+
+def worker_index() -> int | None:
+    """This process's worker index, or None when it is not a worker of ``supervise``."""
+    value = os.environ.get(WORKER_ENV)
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def supervise(argv: list[str], workers: int, drain_s: float) -> int:
+    """Run ``workers`` copies of ``python -m router.cli *argv`` (the serve command line) until
+    SIGTERM or SIGINT, restarting any that dies. Returns the exit status: 0 after a clean stop,
+    ``CONFIG_ERROR`` when a worker reported a bad configuration. Raises ValueError for fewer
+    than 2 workers."""
+    if workers < 2:
+        raise ValueError(f"supervise needs at least 2 workers, got {workers}")
+    own_dir = MULTIPROC_ENV not in os.environ
+    metrics_dir = tempfile.mkdtemp(prefix="prefix-router-metrics-") if own_dir else os.environ[MULTIPROC_ENV]
+    env = {**os.environ, MULTIPROC_ENV: metrics_dir}
+    stopping = False
+
+    def spawn(index: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "router.cli", *argv], env={**env, WORKER_ENV: str(index)})
+
+    def stop(signum, _frame) -> None:
+        nonlocal stopping
+        stopping = True
+        for child in children.values():
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    children = {i: spawn(i) for i in range(workers)}
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    status = 0
+    try:
+        while not stopping:
+            time.sleep(0.2)
+            for index, child in list(children.items()):
+                code = child.poll()
+                if code is None or stopping:
+                    continue
+                _forget(child.pid, metrics_dir)
+                if code == CONFIG_ERROR:
+                    status = CONFIG_ERROR
+                    stop(signal.SIGTERM, None)
+                    break
+                log.warning("gateway worker %d (pid %d) exited with %s; restarting it", index, child.pid, code)
+                time.sleep(RESTART_DELAY_S)
+                children[index] = spawn(index)
+        deadline = time.monotonic() + drain_s + 10.0
+        for child in children.values():
+            try:
+                child.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if own_dir:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+    return status
+
+
+def _forget(pid: int, metrics_dir: str) -> None:
+    """Drop a dead worker's live gauges (its counters and histograms stay counted)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, metrics_dir)

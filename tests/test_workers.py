@@ -1,0 +1,98 @@
+"""``prefix-router serve --workers 2``: two processes on one port, one set of metrics.
+
+A real supervisor and workers in front of one simulated replica: requests on fresh connections
+reach both workers (the kernel spreads SO_REUSEPORT connections), every scrape of ``/metrics``,
+whichever worker answers it, counts all of them, a killed worker is replaced and what it had
+counted stays counted, and SIGTERM stops the whole gateway cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+from router.launch import gateway_server, running, sim_server
+from router.metrics import sample_sum
+
+from .helpers import MODEL
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.add(int(entry.name))
+    return out
+
+
+def _chat(url: str, i: int) -> None:
+    body = json.dumps({"model": MODEL, "max_tokens": 2,
+                       "messages": [{"role": "user", "content": f"question {i} " * 20}]}).encode()
+    request = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:  # a new connection per request
+        assert response.status == 200
+
+
+def _requests_counted(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        return sample_sum(response.read().decode(), "prefix_router_requests_total", code="200")
+
+
+def _wait(predicate, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    return predicate()
+
+
+def test_two_workers_share_the_port_and_one_set_of_metrics_and_survive_a_crash(tmp_path):
+    with running([sim_server(tmp_path, ["--model", MODEL, "--time-scale", "1000"])]) as (replica,):
+        gateway = gateway_server(tmp_path, [replica], ["--workers", "2"])
+        with running([gateway]) as (url,):
+            workers = _wait(lambda: _children(gateway.pid) if len(_children(gateway.pid)) == 2 else None)
+            assert workers and len(workers) == 2
+            for i in range(40):
+                _chat(url, i)
+            served = {pid: _served_by(pid, tmp_path) for pid in workers}
+            assert all(served.values()) and sum(served.values()) == 40, served  # both took connections
+            assert {_requests_counted(url) for _ in range(10)} == {40.0}  # whichever worker answers
+
+            victim = next(iter(workers))
+            os.kill(victim, signal.SIGKILL)
+            replaced = _wait(lambda: (_children(gateway.pid) - {victim}) if len(_children(gateway.pid) - {victim}) == 2
+                             else None)
+            assert replaced and victim not in replaced
+            for i in range(40, 50):
+                _chat(url, i)
+            assert _wait(lambda: _requests_counted(url) == 50.0), "the dead worker's requests left the count"
+            supervisor = gateway.pid
+        assert not _children(supervisor)  # SIGTERM stopped the workers with the supervisor
+
+
+def _served_by(pid: int, tmp_path: Path) -> float:
+    """Requests worker ``pid`` counted: its own file of prometheus-client's multiprocess
+    directory, read alone."""
+    import shutil
+
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    directory = next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"PROMETHEUS_MULTIPROC_DIR="))
+    alone = tmp_path / f"worker-{pid}"
+    alone.mkdir()
+    shutil.copy(Path(directory) / f"counter_{pid}.db", alone)
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(alone))
+    return sample_sum(generate_latest(registry).decode(), "prefix_router_requests_total", code="200")
