@@ -1,0 +1,95 @@
+"""Before and after a change to the gateway, side by side in one run, next to vllm-router.
+
+The overhead sweep of ``bench/overhead.py`` (one simulated replica 10,000x faster than modelled
+time, ~N-token streaming chats at fixed rates, CPU seconds of the router's process per request
+from ``/proc/PID/stat``) with the gateway of two source trees: ``--before`` (a ``git worktree``
+of the commit before the change) and ``--after`` (default: this tree), each started with the
+tree as its working directory, then vllm-router ``consistent_hash``. The systems alternate
+within every rate and repetition, so the machine's noise falls on all of them alike.
+
+    git worktree add --detach ../before HEAD~3
+    python -m bench.overhead_ab --before ../before --rates 25,50,100 --reps 2
+
+Prints one line per cell and writes ``--out`` (markdown: medians over the repetitions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import statistics
+from pathlib import Path
+
+from router.launch import build_tiny_model, running, sim_server
+from router.replay.summary import percentile
+
+from .fleet import ROOT
+from .gateway_overhead import conversations, fixed_rate
+from .peers import System, cpu_seconds, ensure_peers
+
+PEER = System("vllm-router consistent_hash", "vllm-router", "consistent_hash")
+
+
+def _ms(series, q: float) -> float:
+    return 1e3 * percentile([t for t, _ in series], q)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", type=Path, required=True, help="the gateway's tree before the change")
+    parser.add_argument("--after", type=Path, default=ROOT, help="the tree after it (default: this one)")
+    parser.add_argument("--rates", default="25,50,100", help="requests per second, comma-separated")
+    parser.add_argument("--seconds", type=float, default=12.0, help="seconds of load per cell")
+    parser.add_argument("--tokens", type=int, default=1000, help="prompt size of the chats")
+    parser.add_argument("--reps", type=int, default=2, help="repetitions of every cell")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "overhead-ab.md")
+    args = parser.parse_args(argv)
+    log_dir = ROOT / ".cache" / "bench-overhead-ab"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_model(ROOT / ".cache" / "tiny-tokenizer", corpus=ROOT.parent / "shared" / "agent_traces",
+                                 tokenizer_only=True)
+    peers = ensure_peers()
+    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    cells: dict[tuple[float, str], list[tuple[float, float, float]]] = {}
+    sim = sim_server(log_dir, ["--model", "sim", "--time-scale", "10000", "--tokenizer", str(tokenizer)])
+    with running([sim]) as (replica,):
+        aliases = [replica, replica.replace("127.0.0.1", "localhost")]
+        for rate in [float(r) for r in args.rates.split(",")]:
+            requests = conversations(args.tokens, 16, max(int(rate * args.seconds) // 16, 1))
+            for _ in range(args.reps):
+                direct = asyncio.run(fixed_rate(replica, requests, rate))
+                for name in (*trees, PEER.name):
+                    if name in trees:
+                        server = System(name, "prefix-router", "prefix-affinity").server(
+                            aliases, log_dir, None, ("--tokenizer", str(tokenizer)))
+                        server = dataclasses.replace(server, cwd=trees[name])
+                    else:
+                        server = PEER.server(aliases, log_dir, peers)
+                    with running([server]) as (url,):
+                        asyncio.run(fixed_rate(url, requests[:16], rate))  # warm: connections, first turns
+                        cpu0 = cpu_seconds(server.pid)
+                        series = asyncio.run(fixed_rate(url, requests, rate))
+                        cpu = cpu_seconds(server.pid) - cpu0
+                    ok = [s for s in series if s[0] > 0]
+                    row = (1000 * cpu / len(series), _ms(ok, 50) - _ms(direct, 50), _ms(ok, 99) - _ms(direct, 99))
+                    cells.setdefault((rate, name), []).append(row)
+                    print(f"{args.tokens} tokens {rate:g}/s {name}: CPU {row[0]:.2f} ms/request, added TTFT "
+                          f"p50 {row[1]:.1f} p99 {row[2]:.1f} ms, {len(series) - len(ok)} errors", flush=True)
+    lines = [f"Gateway before ({trees['before']}) and after ({trees['after']}) a change, next to {PEER.name}: "
+             f"~{args.tokens}-token streaming chats, one simulated replica, {args.seconds:g} s a cell, medians of "
+             f"{args.reps}.", "", "| rate | system | CPU ms / request | added TTFT p50 / p99 (ms) | CPU vs before |",
+             "|---|---|---|---|---|"]
+    for (rate, name), rows in cells.items():
+        cpu = statistics.median(r[0] for r in rows)
+        before = statistics.median(r[0] for r in cells[(rate, "before")])
+        lines.append(f"| {rate:g}/s | {name} | {cpu:.2f} | {statistics.median(r[1] for r in rows):.1f} / "
+                     f"{statistics.median(r[2] for r in rows):.1f} | {cpu / before:.2f}x |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
