@@ -14,7 +14,9 @@ it healthy (``router/metrics.py``).
 
 The supervisor restarts a worker that dies (after ``RESTART_DELAY_S``), and on SIGTERM or
 SIGINT passes the signal on and waits for every worker's drain (``drain_s``) before it exits.
-A worker that exits with status 2 (a configuration error) stops the whole gateway.
+A worker that exits with status 2 (a configuration error), or workers that die within
+``EARLY_EXIT_S`` of starting ``EARLY_EXITS`` times in a row (the port taken), stop the whole
+gateway.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's own variable
 WORKER_ENV = "PREFIX_ROUTER_WORKER"  # set in each worker process: its index, from 0
 RESTART_DELAY_S = 1.0
 CONFIG_ERROR = 2  # what ``prefix-router serve`` exits with for a bad configuration
+# a worker that dies this soon after it started, this many times in a row, cannot start at all
+# (the port taken by another program, a replica list it cannot read): stop rather than loop
+EARLY_EXIT_S, EARLY_EXITS = 10.0, 5
 
 
 def worker_index() -> int | None:
@@ -47,8 +52,8 @@ def worker_index() -> int | None:
 def supervise(argv: list[str], workers: int, drain_s: float) -> int:
     """Run ``workers`` copies of ``python -m router.cli *argv`` (the serve command line) until
     SIGTERM or SIGINT, restarting any that dies. Returns the exit status: 0 after a clean stop,
-    ``CONFIG_ERROR`` when a worker reported a bad configuration. Raises ValueError for fewer
-    than 2 workers."""
+    ``CONFIG_ERROR`` when a worker reported a bad configuration, 1 when workers keep dying as
+    they start (``EARLY_EXITS``). Raises ValueError for fewer than 2 workers."""
     if workers < 2:
         raise ValueError(f"supervise needs at least 2 workers, got {workers}")
     own_dir = MULTIPROC_ENV not in os.environ
@@ -56,7 +61,11 @@ def supervise(argv: list[str], workers: int, drain_s: float) -> int:
     env = {**os.environ, MULTIPROC_ENV: metrics_dir}
     stopping = False
 
+    started: dict[int, float] = {}
+    early = 0  # early exits in a row
+
     def spawn(index: int) -> subprocess.Popen:
+        started[index] = time.monotonic()
         return subprocess.Popen([sys.executable, "-m", "router.cli", *argv], env={**env, WORKER_ENV: str(index)})
 
     def stop(signum, _frame) -> None:
@@ -77,8 +86,12 @@ def supervise(argv: list[str], workers: int, drain_s: float) -> int:
                 if code is None or stopping:
                     continue
                 _forget(child.pid, metrics_dir)
-                if code == CONFIG_ERROR:
-                    status = CONFIG_ERROR
+                early = early + 1 if time.monotonic() - started[index] < EARLY_EXIT_S else 0
+                if code == CONFIG_ERROR or early >= EARLY_EXITS:
+                    if code != CONFIG_ERROR:
+                        log.error("gateway workers exited %d times within %g s of starting; stopping", early,
+                                  EARLY_EXIT_S)
+                    status = CONFIG_ERROR if code == CONFIG_ERROR else 1
                     stop(signal.SIGTERM, None)
                     break
                 log.warning("gateway worker %d (pid %d) exited with %s; restarting it", index, child.pid, code)

@@ -96,3 +96,21 @@ def _served_by(pid: int, tmp_path: Path) -> float:
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=str(alone))
     return sample_sum(generate_latest(registry).decode(), "prefix_router_requests_total", code="200")
+
+
+def test_workers_that_cannot_bind_the_port_stop_the_gateway_instead_of_restarting_forever():
+    import socket
+    import subprocess
+    import sys
+
+    taken = socket.socket()  # another program's listener, without SO_REUSEPORT
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        done = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--workers", "2", "--port",
+                               str(taken.getsockname()[1]), "--replica", "http://127.0.0.1:9"],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "exited 5 times within" in done.stderr
