@@ -216,7 +216,8 @@ def apply_metrics(replica: ReplicaState, text: str) -> None:
 
 
 async def poll_metrics(http: aiohttp.ClientSession, replicas: Mapping[str, ReplicaState], interval_s: float) -> None:
-    """Scrape every replica's /metrics forever (the mapping is read anew each round)."""
+    """Scrape every replica's /metrics every ``interval_s`` forever (the mapping is read anew
+    each round), starting one interval from now: the gateway scraped them all as it started."""
     while True:
-        await asyncio.gather(*(scrape_once(http, r, max(interval_s, 1.0)) for r in list(replicas.values())))
         await asyncio.sleep(interval_s)
+        await asyncio.gather(*(scrape_once(http, r, max(interval_s, 1.0)) for r in list(replicas.values())))
