@@ -133,7 +133,7 @@ def _run_serve(args: argparse.Namespace) -> int:
                               "or the config file)")
         worker = worker_index()
         if config.workers > 1 and worker is None:
-            return supervise(sys.argv[1:], config.workers, config.drain_s)
+            return supervise(sys.argv[1:], config.workers, config.drain_s, config.host, config.port)
         tokenizer = HFTokenizer(config.tokenizer) if config.tokenizer else None
         app = create_app(config, tokenizer)
     except (ConfigError, OSError) as exc:
@@ -142,13 +142,18 @@ def _run_serve(args: argparse.Namespace) -> int:
     # SIGTERM (and Ctrl-C): stop accepting, give in-flight requests drain_s, then exit 0
     # backlog: aiohttp's default of 128 pending connections resets clients in a burst of new
     # connections (measured at 400 requests/s); the kernel caps it at net.core.somaxconn
-    web.run_app(app, host=config.host, port=config.port, access_log=None, handler_cancellation=True,
-                shutdown_timeout=config.drain_s, backlog=4096, loop=_event_loop(), reuse_port=worker is not None,
-                print=lambda *_: worker or print(
-                    f"prefix-router gateway on http://{config.host}:{config.port} ({config.routing.policy}, "
-                    f"{len(config.replicas)} replicas"
-                    + (f", discovering {config.discovery.dns}" if config.discovery.dns else "")
-                    + (f", {config.workers} workers" if worker is not None else "") + ")", flush=True))
+    try:
+        web.run_app(app, host=config.host, port=config.port, access_log=None, handler_cancellation=True,
+                    shutdown_timeout=config.drain_s, backlog=4096, loop=_event_loop(), reuse_port=worker is not None,
+                    print=lambda *_: worker or print(
+                        f"prefix-router gateway on http://{config.host}:{config.port} ({config.routing.policy}, "
+                        f"{len(config.replicas)} replicas"
+                        + (f", discovering {config.discovery.dns}" if config.discovery.dns else "")
+                        + (f", {config.workers} workers" if worker is not None else "") + ")", flush=True))
+    except OSError as exc:  # the port taken, an address this machine does not have
+        print(f"prefix-router serve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -2,7 +2,11 @@
 
 Each worker is a whole gateway (its own event loop, replica state, shadow indexes and KV-event
 subscriptions) bound to the same host and port with ``SO_REUSEPORT``, so the kernel spreads new
-connections over them. They agree without talking to each other: the ring is a function of the
+connections over them evenly (one listening socket shared by all would let the busiest-awake
+worker take most). ``GET /replicas`` and ``/debug/changes`` answer for the worker that took the
+connection. The port is checked free before the workers start; a second gateway started on
+the same port with workers would still join this one's (SO_REUSEPORT lets processes of one
+user share it). They agree without talking to each other: the ring is a function of the
 replica names, and with KV events on (``router/kvstream.py``) every worker reads the engines'
 own picture of their caches; without events each learns only from the requests it served.
 
@@ -13,7 +17,8 @@ in flight add up over live workers, a replica counts as healthy only if every li
 it healthy (``router/metrics.py``).
 
 The supervisor restarts a worker that dies (after ``RESTART_DELAY_S``), and on SIGTERM or
-SIGINT passes the signal on and waits for every worker's drain (``drain_s``) before it exits.
+SIGINT passes the signal on and waits for every worker's drain (``drain_s``) before it exits;
+a worker whose supervisor died (even by SIGKILL) gets SIGTERM and drains.
 A worker that exits with status 2 (a configuration error), or workers that die within
 ``EARLY_EXIT_S`` of starting ``EARLY_EXITS`` times in a row (the port taken), stop the whole
 gateway.
@@ -25,6 +30,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,13 +55,29 @@ def worker_index() -> int | None:
     return int(value) if value is not None and value.isdigit() else None
 
 
-def supervise(argv: list[str], workers: int, drain_s: float) -> int:
+def _die_with_parent() -> None:
+    """In a worker, before it runs: SIGTERM when the supervisor dies, even by SIGKILL (Linux's
+    PR_SET_PDEATHSIG), so no worker keeps serving the port without it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+def supervise(argv: list[str], workers: int, drain_s: float, host: str, port: int) -> int:
     """Run ``workers`` copies of ``python -m router.cli *argv`` (the serve command line) until
-    SIGTERM or SIGINT, restarting any that dies. Returns the exit status: 0 after a clean stop,
-    ``CONFIG_ERROR`` when a worker reported a bad configuration, 1 when workers keep dying as
-    they start (``EARLY_EXITS``). Raises ValueError for fewer than 2 workers."""
+    SIGTERM or SIGINT, restarting any that dies. ``host:port`` is tried first without
+    ``SO_REUSEPORT``, so a port another program holds fails at once, in one line. Returns the
+    exit status: 0 after a clean stop, 1 when the port cannot be had or workers keep dying as
+    they start (``EARLY_EXITS``), ``CONFIG_ERROR`` when a worker reported a bad configuration.
+    Raises ValueError for fewer than 2 workers."""
     if workers < 2:
         raise ValueError(f"supervise needs at least 2 workers, got {workers}")
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as exc:
+        print(f"prefix-router serve: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     own_dir = MULTIPROC_ENV not in os.environ
     metrics_dir = tempfile.mkdtemp(prefix="prefix-router-metrics-") if own_dir else os.environ[MULTIPROC_ENV]
     env = {**os.environ, MULTIPROC_ENV: metrics_dir}
@@ -66,7 +88,8 @@ def supervise(argv: list[str], workers: int, drain_s: float) -> int:
 
     def spawn(index: int) -> subprocess.Popen:
         started[index] = time.monotonic()
-        return subprocess.Popen([sys.executable, "-m", "router.cli", *argv], env={**env, WORKER_ENV: str(index)})
+        return subprocess.Popen([sys.executable, "-m", "router.cli", *argv], env={**env, WORKER_ENV: str(index)},
+                                preexec_fn=_die_with_parent)
 
     def stop(signum, _frame) -> None:
         nonlocal stopping

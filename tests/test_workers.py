@@ -34,6 +34,25 @@ def _children(pid: int) -> set[int]:
     return out
 
 
+def _listening(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a socket listening on TCP ``port`` (/proc/net/tcp)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(fields[9])
+    try:
+        links = [os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir()]
+    except OSError:
+        return False
+    return any(link == f"socket:[{inode}]" for link in links for inode in inodes)
+
+
 def _chat(url: str, i: int) -> None:
     body = json.dumps({"model": MODEL, "max_tokens": 2,
                        "messages": [{"role": "user", "content": f"question {i} " * 20}]}).encode()
@@ -63,6 +82,7 @@ def test_two_workers_share_the_port_and_one_set_of_metrics_and_survive_a_crash(t
         with running([gateway]) as (url,):
             workers = _wait(lambda: _children(gateway.pid) if len(_children(gateway.pid)) == 2 else None)
             assert workers and len(workers) == 2
+            assert _wait(lambda: all(_listening(pid, gateway.port) for pid in workers)), "a worker never listened"
             for i in range(40):
                 _chat(url, i)
             served = {pid: _served_by(pid, tmp_path) for pid in workers}
@@ -74,6 +94,7 @@ def test_two_workers_share_the_port_and_one_set_of_metrics_and_survive_a_crash(t
             replaced = _wait(lambda: (_children(gateway.pid) - {victim}) if len(_children(gateway.pid) - {victim}) == 2
                              else None)
             assert replaced and victim not in replaced
+            assert _wait(lambda: all(_listening(pid, gateway.port) for pid in replaced))
             for i in range(40, 50):
                 _chat(url, i)
             assert _wait(lambda: _requests_counted(url) == 50.0), "the dead worker's requests left the count"
@@ -98,19 +119,40 @@ def _served_by(pid: int, tmp_path: Path) -> float:
     return sample_sum(generate_latest(registry).decode(), "prefix_router_requests_total", code="200")
 
 
-def test_workers_that_cannot_bind_the_port_stop_the_gateway_instead_of_restarting_forever():
+def test_a_port_another_program_holds_is_refused_in_one_line_with_or_without_workers():
     import socket
     import subprocess
     import sys
 
-    taken = socket.socket()  # another program's listener, without SO_REUSEPORT
+    taken = socket.socket()  # another program's listener
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     try:
-        done = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--workers", "2", "--port",
-                               str(taken.getsockname()[1]), "--replica", "http://127.0.0.1:9"],
-                              capture_output=True, text=True, timeout=120)
+        for workers in ("1", "2"):
+            done = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--workers", workers, "--port",
+                                   str(taken.getsockname()[1]), "--replica", "http://127.0.0.1:9"],
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == 1, done.stderr[-2000:]
+            last = done.stderr.strip().splitlines()[-1]
+            assert last.startswith("prefix-router serve: cannot listen on 0.0.0.0:") and "in use" in last.lower(), last
+            assert "Traceback" not in done.stderr
     finally:
         taken.close()
-    assert done.returncode == 1, done.stderr[-2000:]
-    assert "exited 5 times within" in done.stderr
+
+
+def test_workers_stop_when_their_supervisor_is_killed(tmp_path):
+    with running([sim_server(tmp_path, ["--model", MODEL, "--time-scale", "1000"])]) as (replica,):
+        gateway = gateway_server(tmp_path, [replica], ["--workers", "2"])
+        with running([gateway]) as (url,):
+            workers = _wait(lambda: _children(gateway.pid) if len(_children(gateway.pid)) == 2 else None)
+            assert workers
+            os.kill(gateway.pid, signal.SIGKILL)
+            assert _wait(lambda: not any(Path(f"/proc/{pid}").exists() and
+                                         "zombie" not in _state(pid) for pid in workers)), "workers outlived it"
+
+
+def _state(pid: int) -> str:
+    try:
+        return "zombie" if (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z") else "alive"
+    except OSError:
+        return "zombie"
