@@ -26,7 +26,7 @@ from .fleet import ROOT
 from .gateway_overhead import MODEL, conversations, fixed_rate
 from .peers import System, cpu_seconds
 
-__all__ = ["overhead_sweep", "overhead_table", "ADDED_P99_LIMIT_MS"]
+__all__ = ["measured_run", "overhead_sweep", "overhead_table", "ADDED_P99_LIMIT_MS"]
 
 ADDED_P99_LIMIT_MS = 10.0  # the issue's bar for "sustained": added TTFT p99 at most this
 # CPU per request is read at one rate for every system: idle costs (health checks, scrapes)
@@ -36,6 +36,16 @@ CPU_REFERENCE_RATE = 50.0
 
 def _ttft_ms(series, q: float) -> float:
     return 1e3 * percentile([t for t, _ in series], q)
+
+
+def measured_run(server, requests: list[list[dict]], rate: float) -> tuple[list[tuple[float, float]], float]:
+    """Start ``server``, warm it with the first 16 requests (connections, first turns), then
+    send ``requests`` at ``rate``/s: (their (TTFT, latency) series, the server's CPU seconds)."""
+    with running([server]) as (url,):
+        asyncio.run(fixed_rate(url, requests[:16], rate))
+        cpu0 = cpu_seconds(server.pid)
+        series = asyncio.run(fixed_rate(url, requests, rate))
+        return series, cpu_seconds(server.pid) - cpu0
 
 
 def overhead_sweep(systems: list[System], rates: list[float], seconds: float, peers_bin: Path | None,
@@ -59,11 +69,7 @@ def overhead_sweep(systems: list[System], rates: list[float], seconds: float, pe
             direct = asyncio.run(fixed_rate(replica, requests, rate))
             for system in systems:
                 server = system.server(aliases, log_dir, peers_bin, ("--tokenizer", str(tokenizer)))
-                with running([server]) as (url,):
-                    asyncio.run(fixed_rate(url, requests[:16], rate))  # warm: connections, first turns
-                    cpu0 = cpu_seconds(server.pid)
-                    series = asyncio.run(fixed_rate(url, requests, rate))
-                    cpu = cpu_seconds(server.pid) - cpu0
+                series, cpu = measured_run(server, requests, rate)
                 ok = [s for s in series if s[0] > 0]
                 rows.append({
                     "system": system.name, "rate": rate, "requests": len(series), "errors": len(series) - len(ok),

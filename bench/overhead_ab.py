@@ -26,7 +26,8 @@ from router.replay.summary import percentile
 
 from .fleet import ROOT
 from .gateway_overhead import conversations, fixed_rate
-from .peers import System, cpu_seconds, ensure_peers
+from .overhead import measured_run
+from .peers import System, ensure_peers
 
 PEER = System("vllm-router consistent_hash", "vllm-router", "consistent_hash")
 
@@ -66,11 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                         server = dataclasses.replace(server, cwd=trees[name])
                     else:
                         server = PEER.server(aliases, log_dir, peers)
-                    with running([server]) as (url,):
-                        asyncio.run(fixed_rate(url, requests[:16], rate))  # warm: connections, first turns
-                        cpu0 = cpu_seconds(server.pid)
-                        series = asyncio.run(fixed_rate(url, requests, rate))
-                        cpu = cpu_seconds(server.pid) - cpu0
+                    series, cpu = measured_run(server, requests, rate)
                     ok = [s for s in series if s[0] > 0]
                     row = (1000 * cpu / len(series), _ms(ok, 50) - _ms(direct, 50), _ms(ok, 99) - _ms(direct, 99))
                     cells.setdefault((rate, name), []).append(row)
