@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
 
-.PHONY: venv demo test test-fast vllm-env bench-sim bench-compare bench-compare-quick clean
+.PHONY: venv demo test test-fast vllm-env image base-image bench-sim bench-compare bench-compare-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,9 +30,27 @@ vllm-env: $(VLLM_VENV)/.installed
 test: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(VENV)/bin/python -m pytest tests -q -rs
 
-# Without the real engine: seconds, not minutes.
+# Without the real engine (no vLLM environment needed): about 8 minutes on 2 cores, against
+# about 20 for `make test`.
 test-fast: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest tests -q -rs -m "not vllm"
+
+# The gateway's container image from deploy/docker/Dockerfile (needs a Docker engine). BASE: any
+# image with python3 and venv; where no registry is reachable, make base-image first and build
+# with BASE=local/python:3.11.
+BASE ?= python:3.12-slim
+IMAGE ?= prefix-router
+DOCKER ?= docker
+# CA_BUNDLE: CA certificates for pip inside the build, where a proxy re-signs TLS.
+CA_BUNDLE ?=
+comma := ,
+image:
+	DOCKER_BUILDKIT=1 $(DOCKER) build --network host -f deploy/docker/Dockerfile --build-arg BASE=$(BASE) \
+		$(if $(CA_BUNDLE),--secret id=ca_bundle$(comma)src=$(CA_BUNDLE)) -t $(IMAGE) .
+
+# A local base image from Debian's minimal root file system (debootstrap; root): about 90 s.
+base-image:
+	DOCKER=$(DOCKER) deploy/docker/base-image.sh local/python:3.11
 
 bench-sim: $(VENV)/.installed
 	$(VENV)/bin/python -m bench.sim_throughput

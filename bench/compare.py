@@ -5,7 +5,7 @@ in round-robin mode, vllm-router's ``cache_aware``, ``consistent_hash`` and ``po
 sglang-router's ``cache_aware``), on fresh simulated replicas so that no system inherits another's
 cache: start the replicas and the system, replay the workload time-compressed, then read every
 replica's own counters. Each replica models an 80 GB GPU serving an 8B model (28,000 blocks of
-16 tokens, the simulator's default, ``router/sim/config.py``).
+16 tokens, the simulator's default, ``router/tools/sim/config.py``).
 
 Workloads (the matrix of issue 14): the Mooncake conversation and synthetic traces (``--traces``;
 sent as text prompts, ``load_mooncake(text=True)``, because sglang-router refuses token-id
@@ -50,11 +50,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.launch import build_tiny_model, find_vllm_python, running, sim_server
-from router.replay.client import replay
-from router.replay.generate import builtin_workload
-from router.replay.summary import summarize
-from router.replay.workloads import load_mooncake
+from router.tools.launch import build_tiny_model, find_vllm_python, running, sim_server
+from router.tools.replay.client import replay
+from router.tools.replay.generate import builtin_workload
+from router.tools.replay.summary import summarize
+from router.tools.replay.workloads import load_mooncake
 
 from .fleet import ROOT, metric_sum, scrape
 from .peers import PEER_PACKAGES, SYSTEMS, System, ensure_peers
@@ -245,6 +245,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2,
                         help="the router on the last core, replicas and client on the others (taskset)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="the replicas' and routers' logs (default: /tmp/bench_compare_PID, kept)")
     args = parser.parse_args(argv)
     mode = "quick" if args.quick else "full"
     for key, value in MODES[mode].items():
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     peers_bin = ensure_peers() if any(s.is_peer for s in args.system_list) else None
-    log_dir = Path("/tmp") / f"bench_compare_{os.getpid()}"
+    log_dir = args.log_dir or Path("/tmp") / f"bench_compare_{os.getpid()}"
     results = {
         "command": "python -m bench.compare " + " ".join(sys.argv[1:] if argv is None else argv),
         "mode": args.mode, "machine": {"cores": os.cpu_count(), "python": platform.python_version(),

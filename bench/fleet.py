@@ -1,4 +1,4 @@
-"""Fleets for the benchmarks: simulated replicas and a gateway on loopback (``router/launch.py``)."""
+"""Fleets for the benchmarks: simulated replicas and a gateway on loopback (``router/tools/launch.py``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import contextlib
 import urllib.request
 from pathlib import Path
 
-from router.launch import free_port, gateway_server, running, sim_server
+from router.tools.launch import free_port, gateway_server, running, sim_server
 from router.metrics import sample_sum
 
 ROOT = Path(__file__).resolve().parents[1]

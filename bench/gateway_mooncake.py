@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from router.replay.client import replay
-from router.replay.summary import summarize
-from router.replay.workloads import load_mooncake
+from router.tools.replay.client import replay
+from router.tools.replay.summary import summarize
+from router.tools.replay.workloads import load_mooncake
 
 from .fleet import ROOT, fleet, gateway, metric_sum, scrape
 from .pooled import pooled_hit_rate

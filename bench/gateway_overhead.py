@@ -15,7 +15,7 @@ previous turn, as in agent and chat traffic):
 
     python -m bench.gateway_overhead [--rate 100] [--seconds 10] [--sizes 1000,8000,32000]
 
-The tokenizer is the byte-level BPE of the real-engine tier (``router/tiny_model.py``,
+The tokenizer is the byte-level BPE of the real-engine tier (``router/tools/tiny_model.py``,
 built into ``.cache/tiny-tokenizer`` if missing). Writes ``bench/results/gateway_overhead.json``.
 """
 
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import aiohttp
 
-from router.launch import build_tiny_model
-from router.replay.summary import percentile
+from router.tools.launch import build_tiny_model
+from router.tools.replay.summary import percentile
 
 from .fleet import ROOT, fleet, gateway
 

@@ -6,7 +6,7 @@ each workload and run, on fresh simulated replicas publishing vLLM's events
 (``--kv-events-config``): one gateway and ``--instances`` gateways, events on and off, the same
 requests replayed without session ids (a client that names no conversation: the case where the
 instances' own pictures matter most). Gateways and replicas share the tiny tokenizer
-(``router/tiny_model.py``), so prompts are cut into exact token blocks, as events need.
+(``router/tools/tiny_model.py``), so prompts are cut into exact token blocks, as events need.
 
 Workloads: the built-in mixed workload (multi-turn chats and agents sharing system prompts and
 tools), a dozen agent sessions (``bench.compare``'s), and SGLang's generated-shared-prefix shape
@@ -33,9 +33,9 @@ import statistics
 import time
 from pathlib import Path
 
-from router.launch import build_tiny_model, running, sim_server, gateway_server
-from router.replay.client import replay
-from router.replay.generate import builtin_workload
+from router.tools.launch import build_tiny_model, running, sim_server, gateway_server
+from router.tools.replay.client import replay
+from router.tools.replay.generate import builtin_workload
 
 from .fleet import ROOT, metric_sum, scrape
 from .shapes import generated_shared_prefix

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import aiohttp
 
-from router.launch import Server, free_port, gateway_server, running
-from router.replay.summary import percentile
+from router.tools.launch import Server, free_port, gateway_server, running
+from router.tools.replay.summary import percentile
 
 from .fleet import ROOT
 from .peers import cpu_seconds

@@ -9,7 +9,7 @@ one), with 8 output tokens. At each rate, direct first, then every system, one a
 in the same run, so each added latency is a difference of neighbours on the same machine.
 
 This gateway runs as deployed in front of real vLLM: with a Hugging Face tokenizer (the tiny
-BPE of ``router/tiny_model.py``), rendering the chat template and hashing exact token blocks;
+BPE of ``router/tools/tiny_model.py``), rendering the chat template and hashing exact token blocks;
 the peers hash text and need none. Per system and rate: added TTFT p50/p99 (system minus
 direct), and CPU seconds of the router's process per 1,000 requests (``/proc/PID/stat``).
 """
@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from router.launch import build_tiny_model, running, sim_server
-from router.replay.summary import percentile
+from router.tools.launch import build_tiny_model, running, sim_server
+from router.tools.replay.summary import percentile
 
 from .fleet import ROOT
 from .gateway_overhead import MODEL, conversations, fixed_rate

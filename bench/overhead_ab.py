@@ -4,7 +4,8 @@ The overhead sweep of ``bench/overhead.py`` (one simulated replica 10,000x faste
 time, ~N-token streaming chats at fixed rates, CPU seconds of the router's process per request
 from ``/proc/PID/stat``) with the gateway of two source trees: ``--before`` (a ``git worktree``
 of the commit before the change) and ``--after`` (default: this tree), each started with the
-tree as its working directory, then vllm-router ``consistent_hash``. The systems alternate
+tree as its working directory, then the floor of an aiohttp hop (``bench/floor_proxy.py``: forwarding
+only, what aiohttp costs) and vllm-router ``consistent_hash``. The systems alternate
 within every rate and repetition, so the machine's noise falls on all of them alike.
 
     git worktree add --detach ../before HEAD~3
@@ -19,10 +20,11 @@ import argparse
 import asyncio
 import dataclasses
 import statistics
+import sys
 from pathlib import Path
 
-from router.launch import build_tiny_model, running, sim_server
-from router.replay.summary import percentile
+from router.tools.launch import Server, build_tiny_model, free_port, running, sim_server
+from router.tools.replay.summary import percentile
 
 from .fleet import ROOT
 from .gateway_overhead import conversations, fixed_rate
@@ -30,6 +32,13 @@ from .overhead import measured_run
 from .peers import System, ensure_peers
 
 PEER = System("vllm-router consistent_hash", "vllm-router", "consistent_hash")
+FLOOR = "aiohttp floor"
+
+
+def _floor_server(replica: str, log_dir: Path) -> Server:
+    port = free_port()
+    return Server([sys.executable, "-m", "bench.floor_proxy", "--port", str(port), "--upstream", replica], port,
+                  log_dir / f"floor-{port}.log", cwd=ROOT)
 
 
 def _ms(series, q: float) -> float:
@@ -38,7 +47,7 @@ def _ms(series, q: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", type=Path, required=True, help="the gateway's tree before the change")
+    parser.add_argument("--before", type=Path, help="the gateway's tree before the change (none: this tree alone)")
     parser.add_argument("--after", type=Path, default=ROOT, help="the tree after it (default: this one)")
     parser.add_argument("--rates", default="25,50,100", help="requests per second, comma-separated")
     parser.add_argument("--seconds", type=float, default=12.0, help="seconds of load per cell")
@@ -51,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = build_tiny_model(ROOT / ".cache" / "tiny-tokenizer", corpus=ROOT.parent / "shared" / "agent_traces",
                                  tokenizer_only=True)
     peers = ensure_peers()
-    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    trees = {"before": args.before.resolve()} if args.before else {}
+    trees["after"] = args.after.resolve()
+    base = next(iter(trees))  # the ratios' denominator
     cells: dict[tuple[float, str], list[tuple[float, float, float]]] = {}
     sim = sim_server(log_dir, ["--model", "sim", "--time-scale", "10000", "--tokenizer", str(tokenizer)])
     with running([sim]) as (replica,):
@@ -60,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             requests = conversations(args.tokens, 16, max(int(rate * args.seconds) // 16, 1))
             for _ in range(args.reps):
                 direct = asyncio.run(fixed_rate(replica, requests, rate))
-                for name in (*trees, PEER.name):
-                    if name in trees:
+                for name in (*trees, FLOOR, PEER.name):
+                    if name == FLOOR:
+                        server = _floor_server(replica, log_dir)
+                    elif name in trees:
                         server = System(name, "prefix-router", "prefix-affinity").server(
                             aliases, log_dir, None, ("--tokenizer", str(tokenizer)))
                         server = dataclasses.replace(server, cwd=trees[name])
@@ -73,13 +86,13 @@ def main(argv: list[str] | None = None) -> int:
                     cells.setdefault((rate, name), []).append(row)
                     print(f"{args.tokens} tokens {rate:g}/s {name}: CPU {row[0]:.2f} ms/request, added TTFT "
                           f"p50 {row[1]:.1f} p99 {row[2]:.1f} ms, {len(series) - len(ok)} errors", flush=True)
-    lines = [f"Gateway before ({trees['before']}) and after ({trees['after']}) a change, next to {PEER.name}: "
+    lines = [f"Gateway {', '.join(f'{k} ({v})' for k, v in trees.items())}, next to {FLOOR} and {PEER.name}: "
              f"~{args.tokens}-token streaming chats, one simulated replica, {args.seconds:g} s a cell, medians of "
-             f"{args.reps}.", "", "| rate | system | CPU ms / request | added TTFT p50 / p99 (ms) | CPU vs before |",
+             f"{args.reps}.", "", f"| rate | system | CPU ms / request | added TTFT p50 / p99 (ms) | CPU vs {base} |",
              "|---|---|---|---|---|"]
     for (rate, name), rows in cells.items():
         cpu = statistics.median(r[0] for r in rows)
-        before = statistics.median(r[0] for r in cells[(rate, "before")])
+        before = statistics.median(r[0] for r in cells[(rate, base)])
         lines.append(f"| {rate:g}/s | {name} | {cpu:.2f} | {statistics.median(r[1] for r in rows):.1f} / "
                      f"{statistics.median(r[2] for r in rows):.1f} | {cpu / before:.2f}x |")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,17 +1,20 @@
 """``create_app``: the gateway as an aiohttp application, with its pollers in ``cleanup_ctx``.
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (routed and proxied),
-``GET /v1/models`` (from the first healthy replica), ``GET /health`` (liveness), ``GET /ready``
-(200 when at least one replica is on the ring, else 503), ``GET /metrics``, ``GET /replicas``
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` and
+``POST /v1/messages`` (routed by prefix and proxied: ``proxy.py``),
+``GET /v1/models`` (the union of the healthy replicas'), ``GET /health`` (liveness), ``GET /ready``
+(200 once a replica is on the ring: it passed a health check and a scrape since start; else 503), ``GET /metrics``, ``GET /replicas``
 and ``GET /debug/changes?top=N`` (why clients changed their prefixes: ``changes.py``); those two
-need an admin key once any key is configured (``tenants.py``). Errors are OpenAI-style JSON,
-aiohttp's own 404 and 405 included.
+need an admin key once any key is configured (``tenants.py``). Every other path goes to the
+replicas (``passthrough.py``: to one, or an operator's to all). Errors are OpenAI-style JSON,
+aiohttp's own 405 and 413 included.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 import aiohttp
@@ -20,17 +23,22 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from .cacheview import follow_events
 from .config import GatewayConfig
+from .dialects import MESSAGES, RESPONSES
 from .discovery import discover_once, poll_dns
-from .gateway import Gateway
 from .errors import openai_error
-from .proxy import REPLICA_HEADER, handle_generate
-from .replicas import poll_health, poll_metrics, scrape_once
+from .gateway import Gateway
+from .inbound import loads
+from .passthrough import REPLICAS_HEADER, handle_passthrough
+from .proxy import handle_generate
+from .replicas import check_all, poll_health, poll_metrics, scrape_once
 from .tenants import bearer
 from .tokenizer import PromptTokenizer
 
 __all__ = ["create_app", "GATEWAY"]
 
 GATEWAY = web.AppKey("gateway", Gateway)
+
+log = logging.getLogger(__name__)
 
 
 async def _sync_loop(gw: Gateway, interval_s: float) -> None:
@@ -64,96 +72,148 @@ def _forbidden(request: web.Request) -> web.Response:
 
 def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None) -> web.Application:
     """Build the gateway application; nothing runs until the app starts."""
-    gw = Gateway(config, tokenizer)
     app = web.Application(client_max_size=config.limits.max_body_bytes, middlewares=[_openai_errors])
-    app[GATEWAY] = gw
-
-    async def lifecycle(app: web.Application):
-        up = config.upstream
-        timeout = aiohttp.ClientTimeout(total=None, connect=up.connect_timeout_s, sock_read=up.read_timeout_s)
-        # Bodies are relayed as they are (auto_decompress off, no Content-Encoding passed on), so
-        # ask for identity: aiohttp would otherwise send "Accept-Encoding: gzip, deflate", and
-        # vLLM's /metrics (prometheus-client) or a gzip proxy would answer compressed bytes.
-        headers = {"Accept-Encoding": "identity"}
-        if config.auth.upstream_api_key:  # vllm serve --api-key: every call to a replica carries it
-            headers["Authorization"] = f"Bearer {config.auth.upstream_api_key}"
-        gw.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=up.max_connections),
-                                        timeout=timeout, auto_decompress=False, headers=headers)
-        if config.discovery.dns:  # the first lookup before serving, so a discovery-only gateway is ready at once
-            await discover_once(gw, config.discovery)
-        replicas = list(gw.replicas.values())
-        await asyncio.gather(*(scrape_once(gw.http, r, 2.0) for r in replicas))
-        gw.sync_ring()
-        tasks = [asyncio.create_task(poll_health(gw.http, gw.replicas, config.health)),
-                 asyncio.create_task(poll_metrics(gw.http, gw.replicas, config.scrape.interval_s)),
-                 asyncio.create_task(_sync_loop(gw, min(config.scrape.interval_s, config.health.interval_s) / 2))]
-        if config.discovery.dns:
-            tasks.append(asyncio.create_task(poll_dns(gw, config.discovery)))
-        if config.kv_events.enabled:
-            tasks.append(asyncio.create_task(follow_events(gw)))
-        yield
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await gw.http.close()
-        gw.executor.shutdown(wait=False)
-        if gw.request_log is not None:
-            gw.request_log.close()
-
-    app.cleanup_ctx.append(lifecycle)
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        return await handle_generate(request, gw, "/v1/chat/completions", chat=True)
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        return await handle_generate(request, gw, "/v1/completions", chat=False)
-
-    async def models(request: web.Request) -> web.Response:
-        if gw.tenants.enabled and gw.tenants.tenant_of(request) is None and not gw.tenants.is_admin(request):
-            return openai_error(401, "missing or unknown API key (Authorization: Bearer KEY)", type_="AuthenticationError")
-        for replica in gw.replicas.values():
-            if not replica.healthy:
-                continue
-            try:
-                async with gw.http.get(replica.url + "/v1/models") as resp:
-                    if resp.status == 200:
-                        return web.Response(body=await resp.read(), content_type="application/json",
-                                            headers={REPLICA_HEADER: replica.name})
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                continue
-        return openai_error(503, "no healthy replica answered /v1/models")
-
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def ready(request: web.Request) -> web.Response:
-        routable = sum(r.routable for r in gw.replicas.values())
-        return web.json_response({"healthy_replicas": routable}, status=200 if routable else 503)
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=gw.metrics.page(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def replicas(request: web.Request) -> web.Response:
-        if not gw.tenants.is_admin(request):
-            return _forbidden(request)
-        return web.json_response(gw.describe())
-
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics)
-    async def changes(request: web.Request) -> web.Response:
-        if not gw.tenants.is_admin(request):
-            return _forbidden(request)
-        top = request.query.get("top", "20")
-        if not top.isdigit() or not 1 <= int(top) <= gw.changes.max_sites:
-            return openai_error(400, f"'top' must be an integer from 1 to {gw.changes.max_sites}", "top")
-        return web.json_response(gw.changes.view(int(top)))
-
-    app.router.add_get("/replicas", replicas)
-    app.router.add_get("/debug/changes", changes)
+    app[GATEWAY] = Gateway(config, tokenizer)
+    app.cleanup_ctx.append(_lifecycle)
+    app.on_shutdown.append(_draining)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post(RESPONSES, _responses)
+    app.router.add_post(MESSAGES, _messages)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/replicas", _replicas)
+    app.router.add_get("/debug/changes", _changes)
+    app.router.add_route("*", "/{tail:.*}", _passthrough)  # every other path vLLM serves: passthrough.py
     return app
+
+
+async def _draining(app: web.Application) -> None:
+    """SIGTERM (or Ctrl-C): the listening socket is closed; say what is left to finish."""
+    gw = app[GATEWAY]
+    inflight = sum(r.inflight for r in gw.replicas.values())
+    log.info("shutting down: no new connections; %d requests in flight get up to %g s to finish",
+             inflight, gw.config.drain_s)
+
+
+async def _lifecycle(app: web.Application):
+    """The HTTP session to the replicas, the first scrape, then the pollers until shutdown."""
+    gw = app[GATEWAY]
+    config = gw.config
+    up = config.upstream
+    timeout = aiohttp.ClientTimeout(total=None, connect=up.connect_timeout_s, sock_read=up.read_timeout_s)
+    # Bodies are relayed as they are (auto_decompress off, no Content-Encoding passed on), so
+    # ask for identity: aiohttp would otherwise send "Accept-Encoding: gzip, deflate", and
+    # vLLM's /metrics (prometheus-client) or a gzip proxy would answer compressed bytes.
+    headers = {"Accept-Encoding": "identity"}
+    if config.auth.upstream_api_key:  # vllm serve --api-key: every call to a replica carries it
+        headers["Authorization"] = f"Bearer {config.auth.upstream_api_key}"
+    gw.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=up.max_connections),
+                                    timeout=timeout, auto_decompress=False, headers=headers)
+    if config.discovery.dns:  # the first lookup before serving, so a discovery-only gateway is ready at once
+        await discover_once(gw, config.discovery)
+    # A health check, then a scrape, of every replica before serving: those that pass both are
+    # on the ring from the first request; /ready is 503 until one is.
+    replicas = list(gw.replicas.values())
+    await check_all(gw.http, replicas, config.health)
+    await asyncio.gather(*(scrape_once(gw.http, r, 2.0) for r in replicas))
+    gw.sync_ring()
+    tasks = [asyncio.create_task(poll_health(gw.http, gw.replicas, config.health)),
+             asyncio.create_task(poll_metrics(gw.http, gw.replicas, config.scrape.interval_s)),
+             asyncio.create_task(_sync_loop(gw, min(config.scrape.interval_s, config.health.interval_s) / 2))]
+    if config.discovery.dns:
+        tasks.append(asyncio.create_task(poll_dns(gw, config.discovery)))
+    if config.kv_events.enabled:
+        tasks.append(asyncio.create_task(follow_events(gw)))
+    yield
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await gw.http.close()
+    log.info("stopped; %d requests were still in flight", sum(r.inflight for r in gw.replicas.values()))
+    gw.executor.shutdown(wait=False)
+    if gw.request_log is not None:
+        gw.request_log.close()
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await handle_generate(request, request.app[GATEWAY], "/v1/chat/completions", chat=True)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await handle_generate(request, request.app[GATEWAY], "/v1/completions", chat=False)
+
+
+async def _responses(request: web.Request) -> web.StreamResponse:
+    return await handle_generate(request, request.app[GATEWAY], RESPONSES, chat=True)
+
+
+async def _messages(request: web.Request) -> web.StreamResponse:
+    return await handle_generate(request, request.app[GATEWAY], MESSAGES, chat=True)
+
+
+async def _passthrough(request: web.Request) -> web.StreamResponse:
+    return await handle_passthrough(request, request.app[GATEWAY])
+
+
+async def _models(request: web.Request) -> web.Response:
+    """Every model and LoRA adapter the healthy replicas serve: the union of their
+    ``/v1/models`` (each id once, as the first replica to list it describes it), with each
+    replica's status in ``x-prefix-router-replicas``."""
+    gw = request.app[GATEWAY]
+    if gw.tenants.enabled and gw.tenants.tenant_of(request) is None and not gw.tenants.is_admin(request):
+        return openai_error(401, "missing or unknown API key (Authorization: Bearer KEY)", type_="AuthenticationError")
+
+    async def one(replica) -> tuple[int, list]:
+        try:
+            async with gw.http.get(replica.url + "/v1/models") as resp:
+                data = (await resp.json(loads=loads)).get("data") if resp.status == 200 else None
+                return resp.status, data if isinstance(data, list) else []
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+            return 0, []
+
+    healthy = [r for r in gw.replicas.values() if r.healthy]
+    answers = await asyncio.gather(*(one(r) for r in healthy))
+    if not any(status == 200 for status, _ in answers):
+        return openai_error(503, "no healthy replica answered /v1/models", type_="ServiceUnavailableError")
+    models: dict[str, dict] = {}
+    for _, data in answers:
+        for model in data:
+            if isinstance(model, dict) and isinstance(model.get("id"), str):
+                models.setdefault(model["id"], model)
+    statuses = ",".join(f"{r.name}={status}" for r, (status, _) in zip(healthy, answers))
+    return web.json_response({"object": "list", "data": list(models.values())}, headers={REPLICAS_HEADER: statuses})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _ready(request: web.Request) -> web.Response:
+    routable = sum(r.routable for r in request.app[GATEWAY].replicas.values())
+    return web.json_response({"healthy_replicas": routable}, status=200 if routable else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[GATEWAY].metrics.page(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _replicas(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    if not gw.tenants.is_admin(request):
+        return _forbidden(request)
+    return web.json_response(gw.describe())
+
+
+async def _changes(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    if not gw.tenants.is_admin(request):
+        return _forbidden(request)
+    top = request.query.get("top", "20")
+    if not top.isdigit() or not 1 <= int(top) <= gw.changes.max_sites:
+        return openai_error(400, f"'top' must be an integer from 1 to {gw.changes.max_sites}", "top")
+    return web.json_response(gw.changes.view(int(top)))

@@ -2,7 +2,9 @@
 
 Every ``miss_changed`` (see ``conversations.py``) is diagnosed by ``causes.diagnose`` against
 the conversation's previous request and recorded here under its site: (cause, message index,
-role, token position). Counts and lost tokens accumulate per site; at most
+role, the gateway's block where the prompts diverged). The site shows the token position of
+the first change recorded there: without a tokenizer a position is an estimate from characters,
+and one break estimated a token apart in each request is still one site. Counts and lost tokens accumulate per site; at most
 ``changes.max_sites`` sites are kept (later new sites are still counted in ``by_cause`` and in
 ``prefix_router_changed_total{cause}``), so memory is bounded whatever clients send.
 
@@ -33,7 +35,7 @@ class Site:
     cause: Cause
     message_index: int  # -1: the tool list
     role: str
-    token_position: int  # tokens (characters without a tokenizer) before the divergence
+    token_position: int  # tokens before the divergence (estimated from characters without a tokenizer)
     count: int = 0
     lost_tokens: int = 0
     detail: str = ""  # the latest change's detail
@@ -84,12 +86,14 @@ class ChangeSites:
     def __len__(self) -> int:
         return len(self.sites)
 
-    def record(self, change: Change, token_position: int, lost_tokens: int, excerpt: str | None = None) -> Site | None:
-        """Count one change; returns its site, or None when the site table is full and new."""
+    def record(self, change: Change, token_position: int, lost_tokens: int, excerpt: str | None = None, *,
+               block: int | None = None) -> Site | None:
+        """Count one change at ``block`` (the gateway's block index of the divergence; the token
+        position when not given); returns its site, or None when the site table is full and new."""
         totals = self.by_cause[change.cause]
         totals[0] += 1
         totals[1] += lost_tokens
-        key = (change.cause, change.message_index, change.role, token_position)
+        key = (change.cause, change.message_index, change.role, token_position if block is None else block)
         site = self.sites.get(key)
         if site is None:
             if len(self.sites) >= self.max_sites:

@@ -1,5 +1,6 @@
 """``prefix-router`` command line: ``serve`` (the gateway), ``sim`` (one simulated vLLM replica),
-``replay`` (a trace against an endpoint) and ``demo`` (prefix affinity against round-robin)."""
+``epp`` (the gateway as Envoy's Endpoint Picker), ``replay`` (a trace against an endpoint) and
+``demo`` (prefix affinity against round-robin)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ __all__ = ["main"]
 
 
 def _add_sim(sub: argparse._SubParsersAction) -> None:
-    from .sim.config import SimConfig
+    from .tools.sim.config import SimConfig
 
     d = SimConfig()
     p = sub.add_parser("sim", help="run one simulated vLLM replica (OpenAI API, APC, vLLM metrics)",
@@ -48,8 +49,8 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
 def _run_sim(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from .sim.config import SimConfig
-    from .sim.server import create_app
+    from .tools.sim.config import SimConfig
+    from .tools.sim.server import create_app
     from .tokenizer import load_tokenizer
 
     capacity = (args.num_blocks - 1) * args.block_size
@@ -67,10 +68,14 @@ def _run_sim(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"prefix-router sim: {exc}", file=sys.stderr)
         return 2
-    web.run_app(app, host=args.host, port=args.port, access_log=None, backlog=4096,
-                print=lambda *_: print(f"simulated vLLM replica on http://{args.host}:{args.port} "
-                                       f"model={config.model} blocks={config.num_gpu_blocks}x{config.block_size}",
-                                       flush=True))
+    try:
+        web.run_app(app, host=args.host, port=args.port, access_log=None, backlog=4096,
+                    print=lambda *_: print(f"simulated vLLM replica on http://{args.host}:{args.port} "
+                                           f"model={config.model} blocks={config.num_gpu_blocks}x{config.block_size}",
+                                           flush=True))
+    except OSError as exc:  # the port taken, an address this machine does not have
+        print(f"prefix-router sim: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -78,21 +83,41 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the prefix-affinity gateway in front of vLLM replicas",
                        description="OpenAI-compatible gateway: routes each request to the replica most "
                                    "likely to hold its prompt's prefix, bounded by load.")
+    _gateway_arguments(p)
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="gateway processes sharing the port (the workers setting; default 1)")
+    p.set_defaults(func=_run_serve, grpc_port=None)
+
+
+def _add_epp(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("epp", help="run the gateway as an Endpoint Picker for Envoy (ext_proc, Gateway API)",
+                       description="Envoy external processor following the Gateway API Inference Extension's "
+                                   "Endpoint Picker protocol: the same routing, metrics and miss accounting "
+                                   "as serve, without a second proxy hop (router/epp.py). The HTTP port "
+                                   "serves /metrics, /replicas, /debug/changes and the proxy itself.")
+    _gateway_arguments(p)
+    p.add_argument("--grpc-port", type=int, default=9002, help="the ext_proc gRPC port (default: %(default)s)")
+    p.set_defaults(func=_run_serve, workers=None)
+
+
+def _gateway_arguments(p: argparse.ArgumentParser) -> None:
+    from .config import POLICIES
+
     p.add_argument("--config", default=None, help="YAML configuration (see configs/)")
     p.add_argument("--replica", action="append", default=None, metavar="URL",
                    help="replica base URL, repeatable (replaces the configured list)")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
-    p.add_argument("--policy", default=None, choices=("prefix-affinity", "round-robin", "least-loaded"))
+    p.add_argument("--policy", default=None, choices=POLICIES)
     p.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer folder (exact token blocks)")
     p.add_argument("--discover", default=None, metavar="DNS_NAME",
                    help="also take as replicas every address this name resolves to, e.g. the "
                         "headless Service of the vLLM pods (discovery.dns)")
     p.add_argument("--request-log", default=None, metavar="FILE",
                    help="append one JSON line per request (routing and cache outcome, no prompt text)")
-    p.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="gateway processes sharing the port (the workers setting; default 1)")
-    p.set_defaults(func=_run_serve)
+    p.add_argument("--request-log-bodies", action="store_true", default=None,
+                   help="also write each request's body (prompt text) to the request log, for "
+                        "prefix-router audit and gate (request_log_bodies)")
 
 
 def _event_loop():
@@ -114,10 +139,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .config import ConfigError, load_config
     from .tokenizer import HFTokenizer
-    from .workers import supervise, worker_index
+    from .workers import port_problem, supervise, worker_index
 
     overrides: dict = {}
-    for key in ("host", "port", "tokenizer", "request_log", "workers"):
+    for key in ("host", "port", "tokenizer", "request_log", "request_log_bodies", "workers"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
     if args.replica:
@@ -134,8 +159,21 @@ def _run_serve(args: argparse.Namespace) -> int:
         worker = worker_index()
         if config.workers > 1 and worker is None:
             return supervise(sys.argv[1:], config.workers, config.drain_s, config.host, config.port)
+        problem = port_problem(config.host, config.port) if worker is None else None
+        if problem:  # before the replicas are checked, so the error is the one line printed
+            print(f"prefix-router serve: {problem}", file=sys.stderr)
+            return 1
         tokenizer = HFTokenizer(config.tokenizer) if config.tokenizer else None
         app = create_app(config, tokenizer)
+        if args.grpc_port is not None:
+            if config.workers > 1:
+                raise ConfigError("workers: the endpoint picker runs in one process")
+            try:
+                from .epp import serve_grpc
+            except ImportError as exc:
+                raise ConfigError(f"the endpoint picker needs grpcio and Envoy's protos ({exc.name} is missing): "
+                                  "pip install 'prefix-router[epp]'") from None
+            app.cleanup_ctx.append(serve_grpc(args.grpc_port, config.host))
     except (ConfigError, OSError) as exc:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
         return 2
@@ -147,7 +185,7 @@ def _run_serve(args: argparse.Namespace) -> int:
                     shutdown_timeout=config.drain_s, backlog=4096, loop=_event_loop(), reuse_port=worker is not None,
                     print=lambda *_: worker or print(
                         f"prefix-router gateway on http://{config.host}:{config.port} ({config.routing.policy}, "
-                        f"{len(config.replicas)} replicas"
+                        f"{len(config.replicas)} replica{'' if len(config.replicas) == 1 else 's'}"
                         + (f", discovering {config.discovery.dns}" if config.discovery.dns else "")
                         + (f", {config.workers} workers" if worker is not None else "") + ")", flush=True))
     except OSError as exc:  # the port taken, an address this machine does not have
@@ -173,26 +211,65 @@ class _ClientErrorFilter(logging.Filter):
         return True
 
 
+class _JsonFormatter(logging.Formatter):
+    """One JSON object a line (``--log-format json``): time (ISO 8601, UTC), level, logger,
+    message, and the exception's traceback when there is one; for log collectors."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import datetime
+
+        line = {"time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(),
+                "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line)
+
+
+def _logging_options(parser: argparse.ArgumentParser, default_level, default_format) -> None:
+    parser.add_argument("--log-level", default=default_level, type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="default: INFO for serve (replicas joining, leaving, failing; drain), WARNING otherwise")
+    parser.add_argument("--log-format", default=default_format, choices=("text", "json"),
+                        help="text lines, or one JSON object a line (default: text)")
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_JsonFormatter() if args.log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+    logging.getLogger("aiohttp.server").addFilter(_ClientErrorFilter())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``prefix-router`` console script; returns the exit status."""
     parser = argparse.ArgumentParser(prog="prefix-router", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    _logging_options(parser, None, "text")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    _add_epp(sub)
     _add_sim(sub)
-    from .audit import add_parser as add_audit
-    from .demo import add_parser as add_demo
-    from .gate import add_parser as add_gate
-    from .replay.cli import add_parser as add_replay
+    from .tools.audit import add_parser as add_audit
+    from .tools.demo import add_parser as add_demo
+    from .tools.gate import add_parser as add_gate
+    from .tools.replay.cli import add_parser as add_replay
 
     add_replay(sub)
     add_demo(sub)
     add_audit(sub)
     add_gate(sub)
+    for command in sub.choices.values():  # also accepted after the command: serve --log-level INFO
+        _logging_options(command, argparse.SUPPRESS, argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("aiohttp.server").addFilter(_ClientErrorFilter())
-    return args.func(args)
+    _setup_logging(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # the reader left (``audit --json | head``): stop quietly
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's recipe (library/signal)
+        return 1
 
 
 if __name__ == "__main__":

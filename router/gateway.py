@@ -11,6 +11,8 @@ the branch points of completion prompts and the histories only from the requests
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,20 +25,24 @@ from .breaker import CircuitBreaker
 from .causes import Change
 from .changes import ChangeSites
 from .config import GatewayConfig, ReplicaConfig
+from .constants import VLLM_BLOCK_SIZE
 from .conversations import Conversations
+from .anthropic import merges_inline_system
 from .index import BranchStats, PrefixDemand
 from .metrics import GatewayMetrics
 from .policy import make_policy
 from .prompts import PromptInfo
-from .replicas import ReplicaState
+from .replicas import ReplicaState, read_models
 from .requestlog import RequestLog
+from .response_homes import ResponseHomes
 from .ring import Ring
 from .tenants import Tenants
 from .tokenizer import PromptTokenizer
 
 __all__ = ["Gateway", "replica_name"]
 
-DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size on GPU, when no replica reports one
+log = logging.getLogger(__name__)
+
 
 
 def _describe_events(r: ReplicaState) -> dict | None:
@@ -65,12 +71,15 @@ class Gateway:
                  metrics: GatewayMetrics | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None)  # how vLLM reads /v1/messages' system turns
+        self.merge_inline_system = template is not None and merges_inline_system(template)
         self.metrics = metrics or GatewayMetrics()
         self.ring = Ring(config.routing.virtual_nodes)
         self.branches = BranchStats(config.routing.branch_threshold, config.index.max_branch_blocks)
         self.demand = PrefixDemand(config.routing.share_half_life_s, config.index.max_branch_blocks)
         self.policy = make_policy(config.routing, self.ring, self.branches, self.demand)
         self.conversations = Conversations(config.index.max_conversations)
+        self.response_homes = ResponseHomes(config.index.max_responses, config.index.response_history_mb * 1_000_000)
         self.replicas: dict[str, ReplicaState] = {}
         for rc in config.replicas:
             self.add_replica(rc)
@@ -78,6 +87,8 @@ class Gateway:
         self.changes = ChangeSites(config.changes.max_sites)
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.http: aiohttp.ClientSession | None = None
+        self._models_read_at = float("-inf")  # refresh_models: when it last looked, and the look on its way
+        self._models_reading: asyncio.Future | None = None
         self._exported: dict[str, dict[str, int]] = {}  # per replica: event counters exported so far
         self.request_log = RequestLog(config.request_log) if config.request_log else None
         self.admission = Admission(config.admission, self.saturated)
@@ -136,6 +147,8 @@ class Gateway:
         gone = [name for name, r in self.replicas.items()
                 if r.draining_since is not None and now - r.draining_since >= drain_s and r.inflight == 0]
         for name in gone:
+            log.info("replica %s: drained and forgotten (left discovery %.0f s ago)", name,
+                     now - self.replicas[name].draining_since)
             del self.replicas[name]
             self.ring.remove(name)
             self.metrics.forget_replica(name)
@@ -150,7 +163,7 @@ class Gateway:
         for replica in self.replicas.values():
             if replica.block_size:
                 return replica.block_size
-        return DEFAULT_BLOCK_SIZE
+        return VLLM_BLOCK_SIZE
 
     def unit_block_size(self, info: PromptInfo) -> int:
         """Units per block for this prompt: tokens with a tokenizer, characters without."""
@@ -194,11 +207,44 @@ class Gateway:
             m.kv_view_fresh.labels(replica.name).set(1 if stream.fresh else 0)
             m.kv_view_blocks.labels(replica.name).set(len(stream.view))
 
-    def record_change(self, change: Change, token_position: int, lost_tokens: int, excerpt: str | None) -> None:
-        """Count a client's prefix change: its cause's metrics and its site (bounded)."""
+    def record_change(self, change: Change, block: int, token_position: int, lost_tokens: int,
+                      excerpt: str | None) -> None:
+        """Count a client's prefix change at ``block`` (the gateway's block index where the
+        prompts diverged, ``token_position`` in tokens): its cause's metrics and its site (bounded)."""
         self.metrics.changed.labels(change.cause.value).inc()
         self.metrics.changed_lost_tokens.labels(change.cause.value).inc(lost_tokens)
-        self.changes.record(change, token_position, lost_tokens, excerpt)
+        self.changes.record(change, token_position, lost_tokens, excerpt, block=block)
+
+    def serving(self, model) -> frozenset[str] | None:
+        """The routable replicas whose ``/v1/models`` lists ``model`` (a served model name or a
+        LoRA adapter), or has not been read yet (such a replica answers for itself): None when
+        no model is named (vLLM serves its first), else the names, empty when no routable
+        replica may serve it (``model_known`` tells a model served by a replica that is down)."""
+        if not isinstance(model, str) or not model:  # vLLM serves its first model for "" too
+            return None
+        return frozenset(r.name for r in self.replicas.values() if r.routable and (not r.models or model in r.models))
+
+    async def refresh_models(self, min_interval_s: float = 1.0) -> None:
+        """Read every routable replica's ``/v1/models`` now, at most once per ``min_interval_s``:
+        a request naming a model no replica listed at the last scrape may name an adapter loaded
+        since (``vllm serve --enable-lora`` with ``/v1/load_lora_adapter``)."""
+        if self._models_reading is not None:  # one is on its way: its answer is the one to wait for
+            await asyncio.shield(self._models_reading)
+            return
+        now = time.monotonic()
+        if now - self._models_read_at < min_interval_s or self.http is None:
+            return
+        self._models_read_at = now
+        self._models_reading = asyncio.ensure_future(
+            asyncio.gather(*(read_models(self.http, r, 2.0) for r in self.replicas.values() if r.routable)))
+        try:
+            await asyncio.shield(self._models_reading)
+        finally:
+            self._models_reading = None
+
+    def model_known(self, model: str) -> bool:
+        """Whether any replica, routable or not, listed ``model``."""
+        return any(model in r.models for r in self.replicas.values())
 
     def describe(self) -> dict:
         """The ``/replicas`` view."""
@@ -218,8 +264,8 @@ class Gateway:
                 "ring_share": round(shares.get(r.name, 0.0), 4), "shadow_blocks": len(r.shadow),
                 "models": r.models, "kv_events": _describe_events(r),
             } for r in self.replicas.values()],
-            "change_sites": [{"cause": s.cause.value, "message_index": s.message_index,
-                              "token_position": s.token_position, "count": s.count}
+            "change_sites": [{"cause": s.cause.value, "message_index": s.message_index, "role": s.role,
+                              "token_position": s.token_position, "count": s.count, "lost_tokens": s.lost_tokens}
                              for s in sorted(self.changes.sites.values(), key=lambda s: -s.count)[:10]],
             "branch_blocks": len(self.branches),
             "demand_blocks": len(self.demand),

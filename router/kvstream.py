@@ -41,7 +41,7 @@ YIELD_EVERY = 64  # batches applied between yields to the event loop during a re
 CONNECT_WAIT_S = 5.0  # a publisher not connected by then: catch up anyway (the live stream repairs later)
 SUBSCRIBE_WAIT_S = 0.05  # after CONNECTED, for the subscription to reach the publisher (a loopback round trip)
 SEEN_BATCHES = 1024  # digests kept to tell a batch delivered twice from a restarted engine's
-REBUILD_BLOCKS = 28_000  # when the replica's capacity is unknown: router/sim/config.py's H100 replica
+REBUILD_BLOCKS = 28_000  # when the replica's capacity is unknown: router/tools/sim/config.py's H100 replica
 
 log = logging.getLogger(__name__)
 

@@ -14,16 +14,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from .causes import Cause
+from .constants import VLLM_LATENCY_BUCKETS, VLLM_TTFT_BUCKETS
 from .workers import MULTIPROC_ENV
 
 __all__ = ["GatewayMetrics", "METRIC_NAMES", "sample_sum"]
 
-# Seconds; TTFT and request buckets follow vLLM's so the two sides line up on a dashboard.
+# Seconds; TTFT and request buckets are vLLM's (router/constants.py).
 ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 def _mode(mode: str) -> dict:
@@ -43,6 +40,21 @@ class GatewayMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
+        self._request_metrics(r)
+        self._replica_metrics(r)
+        self._event_metrics(r)
+        self._per_replica = (  # (metric, its label names): what forget_replica clears
+            (self.requests, ("replica", "route", "code")), (self.cache_requests, ("replica", "result")),
+            (self.prompt_tokens, ("replica",)), (self.cached_predicted, ("replica",)), (self.cached, ("replica",)),
+            (self.lost_tokens, ("replica", "cause")), (self.spillovers, ("from_replica", "to_replica")),
+            (self.queue_depth, ("replica",)), (self.inflight, ("replica",)), (self.healthy, ("replica",)),
+            (self.breaker_state, ("replica",)), (self.ttft, ("replica",)), (self.request_seconds, ("replica",)),
+            (self.kv_events, ("replica",)), (self.kv_gaps, ("replica", "outcome")),
+            (self.kv_parity, ("replica", "result")), (self.kv_view_fresh, ("replica",)),
+            (self.kv_view_blocks, ("replica",)))
+
+    def _request_metrics(self, r: CollectorRegistry) -> None:
+        """Requests, their cache outcomes, tokens and times."""
         self.requests = Counter("prefix_router_requests", "Requests proxied, by replica, route and HTTP status.",
                                 ("replica", "route", "code"), registry=r)
         self.cache_requests = Counter("prefix_router_cache_requests",
@@ -70,6 +82,16 @@ class GatewayMetrics:
             self.changed_lost_tokens.labels(cause.value)
         self.spillovers = Counter("prefix_router_spillovers", "Requests moved off their ring replica by load.",
                                   ("from_replica", "to_replica"), registry=r)
+        self.routing_seconds = Histogram("prefix_router_routing_seconds",
+                                         "Time to choose a replica (tokenization excluded).",
+                                         buckets=ROUTING_BUCKETS, registry=r)
+        self.ttft = Histogram("prefix_router_ttft_seconds", "Time to first token seen by the gateway.",
+                              ("replica",), buckets=VLLM_TTFT_BUCKETS, registry=r)
+        self.request_seconds = Histogram("prefix_router_request_seconds", "Request duration seen by the gateway.",
+                                         ("replica",), buckets=VLLM_LATENCY_BUCKETS, registry=r)
+
+    def _replica_metrics(self, r: CollectorRegistry) -> None:
+        """Each replica's state as this gateway sees it, and the admission queue."""
         self.queue_depth = Gauge("prefix_router_replica_queue_depth",
                                  "Replica queue depth: vllm:num_requests_waiting at the last scrape plus requests sent since.",
                                  ("replica",), registry=r, **_mode("livemax"))
@@ -88,14 +110,9 @@ class GatewayMetrics:
                                           ("reason",), registry=r)
         for reason in ("queue_full", "timeout"):
             self.admission_rejected.labels(reason)
-        self.routing_seconds = Histogram("prefix_router_routing_seconds",
-                                         "Time to choose a replica (tokenization excluded).",
-                                         buckets=ROUTING_BUCKETS, registry=r)
-        self.ttft = Histogram("prefix_router_ttft_seconds", "Time to first token seen by the gateway.",
-                              ("replica",), buckets=TTFT_BUCKETS, registry=r)
-        self.request_seconds = Histogram("prefix_router_request_seconds", "Request duration seen by the gateway.",
-                                         ("replica",), buckets=REQUEST_BUCKETS, registry=r)
-        # vLLM's KV events (router/cacheview.py): what each replica's engine reported of its cache
+
+    def _event_metrics(self, r: CollectorRegistry) -> None:
+        """vLLM's KV events (router/cacheview.py): what each replica's engine reported of its cache."""
         self.kv_events = Counter("prefix_router_kv_events", "KV cache events applied, by replica.",
                                  ("replica",), registry=r)
         self.kv_gaps = Counter("prefix_router_kv_event_gaps",
@@ -111,15 +128,6 @@ class GatewayMetrics:
                                    ("replica",), registry=r, **_mode("livemin"))
         self.kv_view_blocks = Gauge("prefix_router_kv_view_blocks", "Blocks the replica's KV events say it holds.",
                                     ("replica",), registry=r, **_mode("livemax"))
-        self._per_replica = (  # (metric, its label names): what forget_replica clears
-            (self.requests, ("replica", "route", "code")), (self.cache_requests, ("replica", "result")),
-            (self.prompt_tokens, ("replica",)), (self.cached_predicted, ("replica",)), (self.cached, ("replica",)),
-            (self.lost_tokens, ("replica", "cause")), (self.spillovers, ("from_replica", "to_replica")),
-            (self.queue_depth, ("replica",)), (self.inflight, ("replica",)), (self.healthy, ("replica",)),
-            (self.breaker_state, ("replica",)), (self.ttft, ("replica",)), (self.request_seconds, ("replica",)),
-            (self.kv_events, ("replica",)), (self.kv_gaps, ("replica", "outcome")),
-            (self.kv_parity, ("replica", "result")), (self.kv_view_fresh, ("replica",)),
-            (self.kv_view_blocks, ("replica",)))
 
     def page(self) -> bytes:
         """The Prometheus text exposition of every metric: this process's, or every worker's

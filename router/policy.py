@@ -44,8 +44,8 @@ nothing cached anywhere            the ring owner of the key, or the next within
 
 The route reported: ``affinity`` when the choice is the key's ring owner, ``sticky`` when another
 replica held more of the prompt, ``spill`` when the replica preferred without the bound was over
-it (``spilled_from`` names that one), ``fallback`` for the baselines and retries. Complexity:
-O(replicas x matched blocks) dictionary lookups per request.
+it (``spilled_from`` names that one), ``fallback`` for the baselines; the proxy labels a
+retry ``retry``. Complexity: O(replicas x matched blocks) dictionary lookups per request.
 
 The policy does no I/O and records nothing: it returns a ``Decision``; the proxy acts on it and
 counts it. ``RoundRobinPolicy`` and ``LeastLoadedPolicy`` are the baselines to compare with.
@@ -76,7 +76,10 @@ class Route(str, enum.Enum):
     AFFINITY = "affinity"  # the ring's owner of the routing key
     SPILL = "spill"  # the preferred replica was over the load bound
     STICKY = "sticky"  # a replica other than the owner held more of the prompt
-    FALLBACK = "fallback"  # a retry, or a baseline policy
+    FALLBACK = "fallback"  # a baseline policy
+    # Not the policy's: the proxy's label for an attempt after the first replica failed (the
+    # policy chose again among the replicas not tried yet; router/forward.py)
+    RETRY = "retry"
 
 
 @dataclass(slots=True)
@@ -89,19 +92,18 @@ class ReplicaView:
     recent: float = 0.0  # requests sent to it lately, decayed (``ReplicaState.recent_share``)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Decision:
-    """A routing choice. Block counts are in the gateway's block size."""
+    """A routing choice, final once made (a retry asks the policy again). Block counts are in
+    the gateway's block size."""
 
     replica: str
     route: Route
-    candidates: list[str]  # replica first, then the ring order for retries
     predicted_blocks: int = 0  # blocks the chosen replica is believed to hold
     best_blocks: int = 0  # most blocks any replica is believed to hold
     best_replica: str | None = None
     key_depth: int = 0
     key: str = ""  # the ring key
-    held_blocks: int = 0  # blocks the chosen replica held now or lately (set by the proxy)
     spilled_from: str | None = None  # the replica preferred without the bound, when the route is spill
     matches: dict[str, int] = field(default_factory=dict)
 
@@ -206,9 +208,8 @@ class PrefixAffinityPolicy:
             route = Route.SPILL
         else:  # the preferred replica holds strictly more than the owner unless it is the owner
             route = Route.AFFINITY if replica == owner else Route.STICKY
-        return Decision(replica, route, [replica] + [n for n in order if n != replica],
-                        predicted_blocks=matches[replica], best_blocks=matches[preferred], best_replica=preferred,
-                        key_depth=depth, key=key, spilled_from=preferred if route is Route.SPILL else None,
+        return Decision(replica, route, predicted_blocks=matches[replica], best_blocks=matches[preferred],
+                        best_replica=preferred, key_depth=depth, key=key, spilled_from=preferred if route is Route.SPILL else None,
                         matches=matches)
 
     def _holds_cold_prefix(self, name: str, hashes: Sequence[BlockHash], matches: Mapping[str, int]) -> bool:
@@ -243,7 +244,7 @@ class _Baseline:
         matches = {n: min(v.shadow.match(hashes), cap) for n, v in replicas.items()}
         best = max(order, key=lambda n: matches[n])
         depth, key = routing_key(self.branches, self.config.max_key_blocks, hashes, full_hash, session_key)
-        return Decision(order[0], Route.FALLBACK, order, predicted_blocks=matches[order[0]],
+        return Decision(order[0], Route.FALLBACK, predicted_blocks=matches[order[0]],
                         best_blocks=matches[best], best_replica=best, key_depth=depth, key=key, matches=matches)
 
 

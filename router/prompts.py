@@ -17,7 +17,8 @@ from .blocks import BlockHash, block_hashes, seed_hash, text_block_hashes
 from .causes import RequestPrint, digest
 from .tokenizer import ChatFormatError, PromptTokenizer
 
-__all__ = ["PromptInfo", "analyze", "chat_tokens", "check_body", "conversation_id"]
+__all__ = ["PromptInfo", "analyze", "chat_tokens", "check_body", "check_fields", "check_messages", "conversation_id",
+           "kind"]
 
 
 @dataclass(slots=True)
@@ -64,18 +65,11 @@ def check_body(body: dict, chat: bool) -> tuple[str, str] | None:
     ``cache_salt`` and ``user`` strings, ``stream`` a boolean, ``stream_options`` an object and
     ``tools`` a list. Refusing here gives the client the 400 vLLM would, without a hop.
     """
-    for key, kind, expected in (("model", str, "a string"), ("cache_salt", str, "a string"),
-                                ("user", str, "a string"), ("stream", bool, "a boolean"),
-                                ("stream_options", dict, "an object"), ("tools", list, "a list")):
-        if body.get(key) is not None and not isinstance(body[key], kind):
-            return f"'{key}' must be {expected}, got {_kind(body[key])}", key
+    problem = check_fields(body, _FIELDS)
+    if problem is not None:
+        return problem
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return f"'messages' must be a non-empty list of messages, got {_kind(messages)}", "messages"
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                return f"'messages[{i}]' must be an object with a string 'role', got {_kind(m)}", "messages"
+        return check_messages(body.get("messages"))
     else:
         prompt = body.get("prompt")
         ok = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and (
@@ -83,11 +77,36 @@ def check_body(body: dict, chat: bool) -> tuple[str, str] | None:
             or all(isinstance(p, list) and p and _token_ids(p) for p in prompt)))
         if not ok:
             return ("'prompt' must be a string, a list of strings, a list of token ids or a list of token-id "
-                    f"lists, got {_kind(prompt)}"), "prompt"
+                    f"lists, got {kind(prompt)}"), "prompt"
     return None
 
 
-def _kind(value) -> str:
+_FIELDS = (("model", str, "a string"), ("cache_salt", str, "a string"), ("user", str, "a string"),
+           ("stream", bool, "a boolean"), ("stream_options", dict, "an object"), ("tools", list, "a list"))
+
+
+def check_fields(body: dict, fields) -> tuple[str, str] | None:
+    """(message, param) for the first of ``fields`` ((key, type, "a string"), ...) that ``body``
+    holds with another type (null allowed), else None."""
+    for key, type_, expected in fields:
+        if body.get(key) is not None and not isinstance(body[key], type_):
+            return f"'{key}' must be {expected}, got {kind(body[key])}", key
+    return None
+
+
+def check_messages(messages) -> tuple[str, str] | None:
+    """(message, "messages") unless ``messages`` is a non-empty list of objects with a string
+    ``role``, else None."""
+    if not isinstance(messages, list) or not messages:
+        return f"'messages' must be a non-empty list of messages, got {kind(messages)}", "messages"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return f"'messages[{i}]' must be an object with a string 'role', got {kind(m)}", "messages"
+    return None
+
+
+def kind(value) -> str:
+    """A JSON value's type as an error message names it ("nothing" for null)."""
     return "nothing" if value is None else type(value).__name__
 
 

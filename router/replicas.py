@@ -1,8 +1,9 @@
 """The gateway's view of each vLLM replica: health, load, cache shape, and the pollers keeping it.
 
-Health: ``GET /health`` every ``health.interval_s``; ``unhealthy_after`` consecutive failures
-take a replica off the ring, ``healthy_after`` successes bring it back after its next
-``/metrics`` scrape. A replica whose ``vllm:prefix_cache_queries_total`` went down (or is back
+Health: ``GET /health`` every ``health.interval_s``. A replica joins the ring once it has passed
+a health check and a ``/metrics`` scrape since the gateway started (or found it), so ``/ready``
+says 200 only when something can be served; ``unhealthy_after`` consecutive failures take it
+off the ring, ``healthy_after`` successes bring it back after its next scrape. A replica whose ``vllm:prefix_cache_queries_total`` went down (or is back
 at zero after a failure while the gateway believed it held blocks) restarted with an empty
 cache: its shadow index is cleared, so its misses are not blamed on clients. One
 that only answered slowly (a busy engine can miss a 1 s health check) keeps its index: clearing
@@ -35,11 +36,12 @@ from .index import ShadowIndex
 from .kvevents import EngineView
 from .kvstream import EventStream
 
-__all__ = ["ReplicaState", "parse_engine_metrics", "apply_health", "apply_metrics", "poll_health", "poll_metrics"]
+__all__ = ["ReplicaState", "parse_engine_metrics", "check_once", "check_all", "apply_health", "apply_metrics", "poll_health",
+           "scrape_once", "poll_metrics"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CAPACITY_BLOCKS = 28_000  # router/sim/config.py: an H100 80 GB serving an 8B model
+DEFAULT_CAPACITY_BLOCKS = 28_000  # router/tools/sim/config.py: an H100 80 GB serving an 8B model
 _SAMPLE = re.compile(r'^(vllm:[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|\+Inf)$')
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -50,7 +52,7 @@ class ReplicaState:
 
     config: ReplicaConfig
     name: str
-    healthy: bool = True  # optimistic until checks say otherwise, so a fresh gateway can serve
+    healthy: bool = False  # passed its last health checks; False until the first one passes
     waiting: int = 0  # vllm:num_requests_waiting at the last scrape
     running: int = 0
     sent_since_scrape: int = 0  # requests sent since the last scrape and still in flight
@@ -67,7 +69,10 @@ class ReplicaState:
     queries_total: float = 0.0  # last vllm:prefix_cache_queries_total, to spot restarts
     failures: int = 0
     successes: int = 0
-    recovering: bool = False  # healthy again, off the ring until a scrape tells a restart from a stall
+    # off the ring until a scrape: a new replica's first, or one that tells a restart from a stall
+    recovering: bool = True
+    last_failure: str = ""  # why the last health check failed, e.g. "HTTP 404 from http://r:8000/health"
+    ever_healthy: bool = False  # passed a health check since the gateway knew it
     discovered: bool = False  # found by DNS (router/discovery.py), not listed in the configuration
     draining_since: float | None = None  # monotonic time it left DNS; off the ring from then on
     shadow: ShadowIndex = field(default_factory=lambda: ShadowIndex(DEFAULT_CAPACITY_BLOCKS))
@@ -118,8 +123,8 @@ class ReplicaState:
         return stream.view if exact and stream is not None and stream.fresh else self.shadow
 
     def reset_cache_view(self, reason: str) -> None:
-        if len(self.shadow):
-            log.info("replica %s: %s; clearing its shadow index", self.name, reason)
+        """Forget what the replica held: it restarted with an empty cache (``reason`` says how we know)."""
+        log.info("replica %s: %s; clearing its cache view", self.name, reason)
         self.shadow.clear()
         if self.stream is not None:
             self.stream.reset()  # the new process publishes from an empty cache, counting from 0
@@ -141,27 +146,49 @@ def parse_engine_metrics(text: str) -> dict:
     return out
 
 
-async def _check_once(http: aiohttp.ClientSession, replica: ReplicaState, timeout_s: float) -> bool:
+async def check_once(http: aiohttp.ClientSession, replica: ReplicaState, timeout_s: float) -> bool:
+    """One ``GET /health``; on failure ``replica.last_failure`` says what happened."""
+    url = replica.url + "/health"
     try:
-        async with http.get(replica.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            return resp.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-        return False
+        async with http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status == 200:
+                return True
+            replica.last_failure = f"HTTP {resp.status} from {url}"
+    except asyncio.TimeoutError:
+        replica.last_failure = f"no answer from {url} within {timeout_s:g} s"
+    except (aiohttp.ClientError, OSError) as exc:
+        replica.last_failure = f"{url}: {exc}"
+    return False
 
 
 def apply_health(replica: ReplicaState, ok: bool, config: HealthConfig) -> None:
-    """Count a check result and flip ``healthy`` at the configured thresholds."""
+    """Count a check result and flip ``healthy``: at once on the first check that passes, then
+    at the configured thresholds. Logs every change."""
     if ok:
+        first = not replica.ever_healthy
+        replica.ever_healthy = True
         replica.failures, replica.successes = 0, replica.successes + 1
-        if not replica.healthy and replica.successes >= config.healthy_after:
+        if not replica.healthy and (first or replica.successes >= config.healthy_after):
             replica.healthy = True
-            replica.recovering = True  # the next scrape compares its counters (scrape_once)
-            log.info("replica %s passes health checks again; back on the ring after its next scrape", replica.name)
-    else:
-        replica.successes, replica.failures = 0, replica.failures + 1
-        if replica.healthy and replica.failures >= config.unhealthy_after:
-            replica.healthy = False
-            log.warning("replica %s failed %d health checks; off the ring", replica.name, replica.failures)
+            if not first:
+                replica.recovering = True  # the next scrape compares its counters (scrape_once)
+            log.info("replica %s passes health checks%s; %s", replica.name, "" if first else " again",
+                     "on the ring after its next scrape" if replica.recovering else "on the ring")
+        return
+    replica.successes, replica.failures = 0, replica.failures + 1
+    if replica.failures == 1 and not replica.ever_healthy:
+        log.warning("replica %s: not serving yet (%s)", replica.name, replica.last_failure)
+    if replica.healthy and replica.failures >= config.unhealthy_after:
+        replica.healthy = False
+        log.warning("replica %s failed %d health checks (last: %s); off the ring", replica.name,
+                    replica.failures, replica.last_failure)
+
+
+async def check_all(http: aiohttp.ClientSession, replicas: list[ReplicaState], config: HealthConfig) -> None:
+    """One health check of each of ``replicas``, at once, applied (``apply_health``)."""
+    results = await asyncio.gather(*(check_once(http, r, config.timeout_s) for r in replicas))
+    for replica, ok in zip(replicas, results):
+        apply_health(replica, ok, config)
 
 
 async def poll_health(http: aiohttp.ClientSession, replicas: Mapping[str, ReplicaState], config: HealthConfig) -> None:
@@ -169,27 +196,44 @@ async def poll_health(http: aiohttp.ClientSession, replicas: Mapping[str, Replic
     replicas added or dropped by discovery are followed)."""
     while True:
         current = list(replicas.values())
-        results = await asyncio.gather(*(_check_once(http, r, config.timeout_s) for r in current))
-        for replica, ok in zip(current, results):
-            apply_health(replica, ok, config)
+        await check_all(http, current, config)
+        # a replica that just passed waits for a scrape to join the ring: scrape it now, not at
+        # the next round of poll_metrics
+        joining = [r for r in current if r.healthy and r.recovering]
+        await asyncio.gather(*(scrape_once(http, r, max(config.timeout_s, 1.0)) for r in joining))
         await asyncio.sleep(config.interval_s)
 
 
 async def scrape_once(http: aiohttp.ClientSession, replica: ReplicaState, timeout_s: float) -> bool:
-    """Read one replica's /metrics and /v1/models into its state; False when it did not answer."""
+    """Read one replica's /metrics and /v1/models into its state; False when /metrics did not
+    answer. The models are read at every scrape, so LoRA adapters loaded or unloaded at run time
+    (``/v1/load_lora_adapter``: vLLM lists each adapter as a model) are followed within a scrape
+    interval; a failed read keeps the list from before."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
-        async with http.get(replica.url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with http.get(replica.url + "/metrics", timeout=timeout) as resp:
             if resp.status != 200:
                 return False
             text = await resp.text()
-        if not replica.models:
-            async with http.get(replica.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                if resp.status == 200:
-                    replica.models = [m["id"] for m in (await resp.json()).get("data", [])]
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError):
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
         return False
     apply_metrics(replica, text)
+    await read_models(http, replica, timeout_s)
     return True
+
+
+async def read_models(http: aiohttp.ClientSession, replica: ReplicaState, timeout_s: float) -> None:
+    """One replica's ``/v1/models`` ids into ``replica.models`` (unchanged when it fails)."""
+    try:
+        async with http.get(replica.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            models = [m["id"] for m in (await resp.json()).get("data", [])] if resp.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError, AttributeError):
+        models = None
+    if models is not None and models != replica.models:
+        if replica.models:
+            log.info("replica %s now serves %s (was %s)", replica.name, ", ".join(models) or "nothing",
+                     ", ".join(replica.models))
+        replica.models = models
 
 
 def apply_metrics(replica: ReplicaState, text: str) -> None:
@@ -207,6 +251,8 @@ def apply_metrics(replica: ReplicaState, text: str) -> None:
         # Down before any scrape saw its counters move, and none since: a new process.
         replica.reset_cache_view("back with no prefix cache queries at all (restarted)")
     replica.queries_total = queries
+    if replica.recovering and replica.healthy:
+        log.info("replica %s on the ring", replica.name)
     replica.recovering = False
     cache = metrics.get("cache_config", {})
     if replica.config.block_size is None and cache.get("block_size", "").isdigit():

@@ -12,8 +12,9 @@ miss kind, see ``conversations.py``), ``lost_tokens``, ``cause``, ``diverged_mes
 conversation id, so the session key itself stays out), ``ttft_s`` and ``elapsed_s``.
 
 With ``request_log_bodies`` on (an operator's choice: prompt text), each line also holds
-``path`` and ``body``, the request as sent to the replica: ``prefix-router audit`` and
-``prefix-router gate`` read such a log.
+``path`` and ``body``, the request as sent to the replica (for ``/v1/responses`` and
+``/v1/messages``, the chat request vLLM renders from it, history included: ``dialects.py``):
+``prefix-router audit``, ``prefix-router gate`` and ``replay`` read such a log.
 """
 
 from __future__ import annotations

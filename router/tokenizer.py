@@ -60,6 +60,11 @@ class PromptTokenizer(Protocol):
         """Text of one generated token."""
 
 
+# content parts read as text (vllm/renderers/chat_utils.py: TEXT_PART_TYPES less refusal and
+# thinking, whose text is not under "text"); the Responses API sends input_text and output_text
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+
+
 def _content_text(content: Any, where: str) -> str:
     if content is None:
         return ""
@@ -68,7 +73,7 @@ def _content_text(content: Any, where: str) -> str:
     if isinstance(content, list):
         texts = []
         for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
                 raise ChatFormatError(f"{where}.content[{i}] must be a text part "
                                       '({"type": "text", "text": "..."})', f"{where}.content")
             texts.append(part["text"])
@@ -136,8 +141,9 @@ def normalize_tools(tools: Any) -> list[dict] | None:
             "description": function.get("description"),
             "parameters": function.get("parameters"),
         }
-        if function.get("strict") is not None:
-            fn["strict"] = function["strict"]
+        for key in ("strict", "defer_loading"):  # FunctionDefinition drops them when None
+            if function.get(key) is not None:
+                fn[key] = function[key]
         out.append({"type": "function", "function": fn})
     return out
 
@@ -202,7 +208,8 @@ class HFTokenizer:
     for those the cache is off. Measured on one core: encoding an 11,000-token agent prompt
     takes about 24 ms, rendering its template 1.4 ms.
 
-    Raises OSError when the folder holds no tokenizer.
+    Raises OSError, with a message naming the path and the fix, when there is no such folder or
+    cached model, or the folder holds no tokenizer.
     """
 
     def __init__(self, path: str, *, max_cached_tokens: int = 4_000_000) -> None:
@@ -213,7 +220,16 @@ class HFTokenizer:
         from transformers import AutoTokenizer  # deferred: importing transformers takes ~1 s
 
         self.path = path
-        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        try:
+            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError):  # huggingface_hub's HFValidationError is a ValueError
+            if os.path.isdir(path):
+                files = ", ".join(sorted(os.listdir(path))[:6]) or "nothing"
+                raise OSError(f"tokenizer: the folder {path} holds no tokenizer transformers can load: it needs "
+                              f"the model's tokenizer.json and tokenizer_config.json (it has {files})") from None
+            raise OSError(f"tokenizer: no folder {path}, and no model of that id in the local Hugging Face "
+                          "cache (the gateway downloads nothing: give the folder of the model's tokenizer files)"
+                          ) from None
         self._backend = self._tok.backend_tokenizer
         self.vocab_size = len(self._tok)
         self._token_text: dict[int, str] = {}
@@ -226,6 +242,8 @@ class HFTokenizer:
         self._cached_tokens = 0
         self._lock = threading.Lock()  # analyze() runs in worker threads
         self._template, self._template_vars = _compiled_template(self._tok)
+        template = getattr(self._tok, "chat_template", None)
+        self.chat_template: str | None = template if isinstance(template, str) else None
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -331,6 +349,7 @@ class ByteTokenizer:
 
     vocab_size = 1 << 32
     BYTES_PER_TOKEN = 4
+    chat_template = None  # a fixed ChatML rendering, which takes system messages anywhere
     _WORDS = ("the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "on",
               "this", "be", "at", "by", "from", "or", "an", "are")
 

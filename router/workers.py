@@ -64,6 +64,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why the gateway could not listen on ``host:port`` (taken by another program, an address
+    this machine does not have), tried without ``SO_REUSEPORT``; None when it can."""
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as exc:
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
+
+
 def supervise(argv: list[str], workers: int, drain_s: float, host: str, port: int) -> int:
     """Run ``workers`` copies of ``python -m router.cli *argv`` (the serve command line) until
     SIGTERM or SIGINT, restarting any that dies. ``host:port`` is tried first without
@@ -73,10 +83,9 @@ def supervise(argv: list[str], workers: int, drain_s: float, host: str, port: in
     Raises ValueError for fewer than 2 workers."""
     if workers < 2:
         raise ValueError(f"supervise needs at least 2 workers, got {workers}")
-    try:
-        socket.create_server((host, port)).close()
-    except OSError as exc:
-        print(f"prefix-router serve: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+    problem = port_problem(host, port)
+    if problem:
+        print(f"prefix-router serve: {problem}", file=sys.stderr)
         return 1
     own_dir = MULTIPROC_ENV not in os.environ
     metrics_dir = tempfile.mkdtemp(prefix="prefix-router-metrics-") if own_dir else os.environ[MULTIPROC_ENV]

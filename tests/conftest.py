@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.sim.config import SimConfig
-from router.sim.server import create_app as create_sim
+from router.tools.sim.config import SimConfig
+from router.tools.sim.server import create_app as create_sim
 from router.tokenizer import ByteTokenizer
 
 from .helpers import MODEL

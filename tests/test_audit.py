@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from router.audit import audit
+from router.tools.audit import audit
 from router.causes import FIXES
 from router.tokenizer import ByteTokenizer
 
@@ -63,6 +63,20 @@ def test_the_audit_names_every_planted_break_and_no_other(tmp_path):
         assert cause in text and FIXES[cause] in text
 
 
+def test_a_log_still_being_written_is_read_up_to_its_last_complete_line(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    planted = write_log(path)
+    whole = audit(str(path))
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines) + lines[-1][: len(lines[-1]) // 2])  # a line cut short, no newline
+    cut = audit(str(path))
+    assert found(cut) == planted == found(whole)
+    assert cut["totals"] == whole["totals"]
+    path.write_text("".join(lines[:-1]) + "{cut" + "\n" + lines[-1])  # a broken line before the end is an error
+    with pytest.raises(ValueError, match="not JSON"):
+        audit(str(path))
+
+
 def test_without_session_fields_conversations_are_found_as_the_gateway_finds_them(tmp_path):
     path = tmp_path / "requests.jsonl"
     planted = write_log(path, with_session=False)
@@ -86,10 +100,10 @@ def test_exact_token_positions_lie_inside_the_changed_message(tmp_path):
         for b in c["breaks"]:
             if b["message_index"] < 0:
                 continue
-            messages = bodies[b["line"] - 1]["messages"]
+            messages, tools = bodies[b["line"] - 1]["messages"], bodies[b["line"] - 1].get("tools")
             index = b["message_index"]
-            before = len(tokenizer.render_chat(messages[:index], add_generation_prompt=False)) if index else 0
-            through = len(tokenizer.render_chat(messages[: b["message_index"] + 1], add_generation_prompt=False))
+            before = len(tokenizer.render_chat(messages[:index], tools=tools, add_generation_prompt=False)) if index else 0
+            through = len(tokenizer.render_chat(messages[: index + 1], tools=tools, add_generation_prompt=False))
             assert before // 16 * 16 <= b["token_position"] <= through, b
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from router.proxy import REPLICA_HEADER
+from router.constants import REPLICA_HEADER
 
 from .helpers import MODEL
 from .test_gateway import gateway  # noqa: F401 (fixture)
@@ -53,18 +53,33 @@ async def test_bodies_that_are_not_a_json_object_get_a_400(fleet, gateway, raw):
     _error(400, await resp.json())
 
 
-async def test_unknown_paths_and_methods_get_openai_style_404_and_405(fleet, gateway):
+async def test_unknown_paths_and_methods_get_the_replicas_own_404_and_405(fleet, gateway):
+    # Paths the gateway has no handler for go to a replica (router/passthrough.py): a later vLLM's
+    # endpoints work through it, and a client sees what vLLM would have said.
     client = await gateway(await fleet(1))
     resp = await client.post("/v1/embeddingz", json={})
-    assert resp.status == 404 and "/v1/embeddingz" in _error(404, await resp.json())["message"]
+    assert resp.status == 404 and REPLICA_HEADER in resp.headers
     resp = await client.get("/v1/chat/completions")
-    assert resp.status == 405 and "POST" in resp.headers["Allow"]
-    _error(405, await resp.json())
+    assert resp.status == 405 and REPLICA_HEADER in resp.headers and "POST" in resp.headers["Allow"]
 
 
-async def test_an_unknown_model_gets_the_replicas_404(fleet, gateway):
-    # The replica decides: vLLM loads LoRA adapters at run time under new model names, which a
-    # list the gateway fetched earlier would not know.
+async def test_with_every_replica_down_a_passthrough_gets_an_openai_style_503(aiohttp_server, gateway):
+    from aiohttp import web
+
+    async def failing(_):
+        return web.Response(status=500)
+
+    down = web.Application()
+    down.router.add_get("/health", failing)
+    client = await gateway([await aiohttp_server(down)])
+    resp = await client.get("/version")
+    assert resp.status == 503
+    _error(503, await resp.json())
+
+
+async def test_an_unknown_model_gets_a_404_in_vllms_words(fleet, gateway):
+    # The gateway reads each replica's /v1/models at every scrape, and again before refusing a
+    # model none listed (a LoRA adapter loaded since), so its 404 is the one vLLM would give.
     client = await gateway(await fleet(1))
     resp = await client.post("/v1/chat/completions",
                              json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})

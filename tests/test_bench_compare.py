@@ -18,8 +18,8 @@ from bench.peers import SYSTEMS, ensure_peers
 from bench.pooled import pooled_hit_rate, prompt_token_ids, unbounded_hit_rate
 from bench.shapes import generated_shared_prefix, one_system_prompt
 from bench.vllm_bench import VllmBenchShape, shape_bound
-from router.replay.generate import builtin_workload
-from router.replay.workloads import ReplayRequest
+from router.tools.replay.generate import builtin_workload
+from router.tools.replay.workloads import ReplayRequest
 
 PLOTS = ("ttft.png", "reused_per_replica.png", "hit_rate_over_time.png", "overhead.png")
 
@@ -100,7 +100,7 @@ def test_a_small_run_of_every_system_adds_up(tmp_path):
     out = tmp_path / "out"
     argv = ["--quick", "--traces", "--shapes", "none", "--replicas", "2", "--sessions", "3", "--rates", "20",
             "--seconds", "1",
-            "--systems", ",".join(s.name for s in systems), "--out", str(out)]
+            "--systems", ",".join(s.name for s in systems), "--out", str(out), "--log-dir", str(tmp_path / "logs")]
     assert compare.main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["machine"]["cores"] and results["machine"]["python"]

@@ -1,18 +1,21 @@
 """``router/causes.py`` on real agent sessions: the SWE-agent trajectories in
-``../shared/agent_traces``, each replayed turn by turn, clean and with one planted break."""
+``../shared/agent_traces`` (in a clone without that folder, the built-in agent workload's
+sessions), each replayed turn by turn, clean and with one planted break."""
 
 from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 
 from router.causes import Cause, diagnose, fingerprint
-from router.replay.workloads import load_trajectories
+from router.tools.replay.generate import builtin_workload
+from router.tools.replay.workloads import load_trajectories
 
-TRACES = sorted((Path(__file__).resolve().parents[2] / "shared" / "agent_traces").glob("*.traj"))
+from .helpers import SHARED
+
+TRACES = sorted((SHARED / "agent_traces").glob("*.traj"))
 BREAK_AT = 5  # the turn that carries the planted break
 TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name} a file",
                                            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}
@@ -21,10 +24,9 @@ TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name}
 
 def sessions() -> list[list[dict]]:
     """Each trajectory's turns as chat bodies (turn k: the history up to its k-th assistant message)."""
-    if not TRACES:
-        pytest.skip("../shared/agent_traces is absent (a user's clone has none): no trajectories to mutate")
+    requests = load_trajectories(TRACES) if TRACES else builtin_workload("agent", seed=0)
     out: dict[str, list[dict]] = {}
-    for request in load_trajectories(TRACES):
+    for request in requests:
         out.setdefault(request.session, []).append(copy.deepcopy(request.body))
     return [turns for turns in out.values() if len(turns) > BREAK_AT + 1]
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from router.app import create_app
-from router.audit import audit
+from router.tools.audit import audit
 from router.causes import Cause, Change
 from router.changes import ChangeSites, redacted_excerpt
 from router.config import config_from_dict
@@ -98,6 +98,17 @@ def test_excerpts_mask_ids_addresses_and_keys():
     excerpt = redacted_excerpt(body, Change(Cause.VOLATILE_VALUE, 0, "system", ""), 200)
     assert excerpt == "User <email>, key <key> at #, run #"
     assert redacted_excerpt(body, Change(Cause.OTHER, 0, "system", ""), 12) == "Intro line |"
+
+
+def test_one_break_estimated_a_token_apart_in_each_request_is_one_site():
+    """Without a tokenizer the token position is an estimate from characters, and it wanders by
+    a token from request to request; the site is the block where the prompts diverged."""
+    sites = ChangeSites()
+    for position in (1975, 1976, 1977, 1978):
+        sites.record(Change(Cause.VOLATILE_VALUE, 0, "system", "d"), position, 100, block=30)
+    sites.record(Change(Cause.VOLATILE_VALUE, 0, "system", "d"), 2100, 100, block=32)  # another block: another site
+    view = sites.view(10)["sites"]
+    assert [(s["count"], s["token_position"], s["lost_tokens"]) for s in view] == [(4, 1975, 400), (1, 2100, 100)]
 
 
 def test_the_site_table_is_bounded_and_totals_keep_counting():

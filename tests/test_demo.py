@@ -8,23 +8,32 @@ affinity reuses more than round-robin.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
+
+from router.causes import Cause
+
+from .helpers import mooncake_trace
 
 MISSES = ("miss_cold", "miss_changed", "miss_routed", "miss_evicted")
 
 
 def test_demo_reports_consistent_figures_and_affinity_beats_round_robin(tmp_path):
     out = tmp_path / "demo.json"
+    scratch = tmp_path / "tmp"  # the demo's temporary folders go here: none may be left behind
+    scratch.mkdir()
     proc = subprocess.run([sys.executable, "-m", "router.cli", "demo", "--limit", "150", "--json", str(out),
-                           "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=600)
+                           "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TMPDIR": str(scratch)})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list(scratch.iterdir())
     assert "[prefix-affinity] 150/150 requests" in proc.stderr  # progress while it runs
     for heading in ("prefix-affinity", "round-robin", "side by side", "where clients changed their prefix"):
         assert heading in proc.stdout
+    sites = proc.stdout.split("where clients changed their prefix", 1)[1]
+    assert any(f"{cause.value} at " in sites for cause in Cause) and "fix: " in sites  # each site says why
     figures = json.loads(out.read_text())
     totals = {}
     for policy, rows in figures["per_replica"].items():
@@ -45,9 +54,7 @@ def test_demo_reports_consistent_figures_and_affinity_beats_round_robin(tmp_path
 
 
 def test_demo_replays_a_mooncake_trace_without_errors(tmp_path):
-    trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
-    if not trace.exists():
-        pytest.skip(f"{trace} not found: the shared trace folder is absent (a user's clone has none)")
+    trace = mooncake_trace(tmp_path)  # the shared trace, or one in its format in a clone without it
     out = tmp_path / "demo.json"
     proc = subprocess.run([sys.executable, "-m", "router.cli", "demo", "--trace", str(trace), "--limit", "40",
                            "--replicas", "2", "--json", str(out), "--cache-dir", str(tmp_path / "cache")],

@@ -9,10 +9,11 @@ from prometheus_client import generate_latest
 
 from router.app import GATEWAY, create_app
 from router.blocks import BlockHash
-from router.config import ConfigError, DiscoveryConfig, GatewayConfig, ReplicaConfig, config_from_dict
+from router.config import ConfigError, DiscoveryConfig, GatewayConfig, HealthConfig, ReplicaConfig, config_from_dict
+from router.constants import REPLICA_HEADER
 from router.discovery import discover_once, replica_urls, resolve
 from router.gateway import Gateway
-from router.replicas import apply_metrics
+from router.replicas import apply_health, apply_metrics
 from router.tokenizer import ByteTokenizer
 
 from .helpers import MODEL, metric, text
@@ -47,12 +48,15 @@ def test_addresses_become_sorted_urls_with_ipv6_in_brackets():
         "http://10.0.0.1:8001", "http://10.0.0.2:8001", "http://[fd00::5]:8001"]
 
 
-def test_a_found_replica_joins_the_ring_only_after_its_first_scrape():
+def test_a_found_replica_joins_the_ring_only_after_its_first_health_check_and_scrape():
     gw = gateway()
     added, drained = gw.apply_discovery(["http://10.0.0.1:8000"], now=0.0)
     assert (added, drained) == (["10.0.0.1:8000"], [])
     replica = gw.replicas["10.0.0.1:8000"]
     assert replica.discovered and not replica.routable and "10.0.0.1:8000" not in gw.ring.nodes
+    apply_health(replica, True, HealthConfig())
+    gw.sync_ring()
+    assert not replica.routable and "10.0.0.1:8000" not in gw.ring.nodes
     apply_metrics(replica, PAGE)
     gw.sync_ring()
     assert replica.routable and "10.0.0.1:8000" in gw.ring.nodes
@@ -62,6 +66,7 @@ def test_a_found_replica_joins_the_ring_only_after_its_first_scrape():
 def scraped(gw: Gateway, *urls: str) -> None:
     gw.apply_discovery(urls, now=0.0)
     for r in gw.replicas.values():
+        apply_health(r, True, HealthConfig())
         apply_metrics(r, PAGE)
     gw.sync_ring()
 
@@ -100,6 +105,7 @@ def test_a_replica_back_in_dns_while_draining_keeps_its_shadow_index():
 
 def test_static_replicas_are_never_drained_by_discovery():
     gw = gateway(static=("http://static:8000",))
+    scraped(gw)  # checked and scraped: on the ring
     gw.apply_discovery([], now=0.0)
     assert gw.forget_drained(now=1e9) == []
     assert gw.replicas["static:8000"].routable
@@ -158,7 +164,7 @@ async def test_two_gateways_with_the_replicas_in_any_order_choose_the_same_repli
         for client in clients:  # each instance sees every request, in the same order
             resp = await client.post("/v1/chat/completions", json=body, headers=headers)
             assert resp.status == 200
-            picks.append(resp.headers["x-prefix-router-replica"])
+            picks.append(resp.headers[REPLICA_HEADER])
             await resp.read()
         chosen.append(tuple(picks))
     assert all(a == b for a, b in chosen), [c for c in chosen if c[0] != c[1]]
@@ -182,7 +188,7 @@ async def test_a_fresh_instance_sends_a_chats_next_turn_where_another_sent_its_f
             resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 4})
             assert resp.status == 200
             answer = (await resp.json())["choices"][0]["message"]["content"]
-            picks.append(resp.headers["x-prefix-router-replica"])
+            picks.append(resp.headers[REPLICA_HEADER])
             messages = messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": text(rng, 20)}]
         pairs.append(tuple(picks))
     assert all(a == b for a, b in pairs), pairs
@@ -197,6 +203,7 @@ async def test_every_metric_of_a_forgotten_replica_is_gone_after_real_traffic(fl
     client = await aiohttp_client(create_app(config, ByteTokenizer()))
     gw = client.server.app[GATEWAY]
     gw.apply_discovery([urls[1]], now=0.0)
+    apply_health(gw.replicas[urls[1].split("//")[1]], True, config.health)
     apply_metrics(gw.replicas[urls[1].split("//")[1]], PAGE)
     gw.sync_ring()
     rng = random.Random(3)
@@ -226,8 +233,8 @@ async def test_two_gateways_behind_a_round_robin_client_reuse_nearly_as_much_as_
     """Per-instance state (shadow indexes, branch statistics, conversation memory) costs little:
     the same replay through two instances, alternating request by request, reuses within 6
     points as much as through one (each run on fresh replicas)."""
-    from router.replay.client import replay
-    from router.replay.generate import builtin_workload
+    from router.tools.replay.client import replay
+    from router.tools.replay.generate import builtin_workload
 
     requests = builtin_workload("mixed", sessions=48, seed=11)
     rates = []

@@ -22,8 +22,8 @@ from prometheus_client import generate_latest
 from router.app import GATEWAY, create_app
 from router.breaker import BreakerState, CircuitBreaker
 from router.config import BreakerConfig, ConfigError, config_from_dict
-from router.launch import free_port
-from router.proxy import REPLICA_HEADER
+from router.tools.launch import free_port
+from router.constants import REPLICA_HEADER
 from router.tokenizer import ByteTokenizer
 
 from .helpers import MODEL
@@ -272,8 +272,8 @@ def test_sigterm_lets_a_running_stream_finish_then_the_gateway_exits(tmp_path):
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     async def scenario() -> tuple[str, float, bool]:
-        url = await healthy_url(gw_port)
         await healthy_url(sim_port)
+        url = await healthy_url(gw_port, "/ready")  # the replica on the gateway's ring
         async with aiohttp.ClientSession() as http:
             # 300 tokens at ~6 ms each: a stream of about 2 s
             async with http.post(url + "/v1/chat/completions", json=_chat_body(1, stream=True, max_tokens=300)) as resp:

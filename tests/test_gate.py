@@ -8,8 +8,8 @@ import json
 import subprocess
 import sys
 
-from router.gate import salted, verdict
-from router.replay.workloads import load_request_log
+from router.tools.gate import salted, verdict
+from router.tools.replay.workloads import load_request_log
 
 from .test_causes import plant, sessions
 

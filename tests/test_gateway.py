@@ -19,7 +19,7 @@ import pytest
 from router.app import GATEWAY, create_app
 from router.gateway import replica_name
 from router.config import config_from_dict
-from router.proxy import REPLICA_HEADER
+from router.constants import REPLICA_HEADER
 from router.tokenizer import ByteTokenizer
 
 from .helpers import MODEL, metric, text
@@ -202,14 +202,16 @@ async def wait_until(predicate, timeout_s: float = 20.0) -> None:
     raise AssertionError("condition not reached in time")
 
 
-async def healthy_url(port: int) -> str:
+async def healthy_url(port: int, path: str = "/health") -> str:
+    """The base URL of the server on ``port`` once ``path`` answers 200 (a gateway's ``/ready``:
+    a replica is on its ring, so requests are served)."""
     import aiohttp
 
     url = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as http:
         for _ in range(200):
             try:
-                async with http.get(url + "/health") as resp:
+                async with http.get(url + path) as resp:
                     if resp.status == 200:
                         return url
             except aiohttp.ClientError:
@@ -295,11 +297,11 @@ async def test_a_restarted_replica_starts_with_an_empty_view_so_its_misses_are_c
     b'\xef\xbb\xbf{"stream": true}',
 ])
 def test_usage_is_requested_from_the_engine_without_changing_anything_else(raw):
-    from router.proxy import _parse, _patched
+    from router.inbound import parse, patched
 
-    body = _parse(raw)
+    body = parse(raw)
     options = {**(body.get("stream_options") or {}), "include_usage": True}
-    sent = json.loads(_patched(raw, body, {"stream_options": options}))
+    sent = json.loads(patched(raw, body, {"stream_options": options}))
     assert sent["stream_options"]["include_usage"] is True
     assert {k: v for k, v in sent.items() if k != "stream_options"} == {k: v for k, v in body.items() if k != "stream_options"}
     assert {k: v for k, v in sent["stream_options"].items() if k != "include_usage"} == \

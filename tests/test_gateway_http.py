@@ -1,7 +1,7 @@
 """The gateway's HTTP surface, in process: limits, header forwarding, the OpenAI client,
 metrics, prompt privacy and a fleet that is entirely down.
 
-Simulated replicas (``router.sim``) where the engine matters; a tiny echo server as the
+Simulated replicas (``router.tools.sim``) where the engine matters; a tiny echo server as the
 "replica" where the test needs to see exactly what reached it.
 """
 
@@ -21,8 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import GATEWAY, create_app
 from router.config import config_from_dict
+from router.constants import REPLICA_HEADER
+from router.passthrough import REPLICAS_HEADER
 from router.metrics import METRIC_NAMES
-from router.proxy import REPLICA_HEADER
 from router.tokenizer import ByteTokenizer
 
 from .helpers import MODEL, text
@@ -57,7 +58,7 @@ class EchoReplica:
         self.app.router.add_get("/health", answer(lambda: web.Response(text="ok")))
         self.app.router.add_get("/metrics", answer(lambda: web.Response(body=b"", content_type="text/plain")))
         self.app.router.add_get("/v1/models", answer(lambda: web.json_response(
-            {"object": "list", "data": [{"id": "echo-model", "object": "model", "owned_by": "echo"}]})))
+            {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "echo"}]})))
 
     async def generate(self, request: web.Request) -> web.Response:
         raw = await request.read()
@@ -229,25 +230,26 @@ async def test_the_gateway_reads_a_replicas_metrics_served_the_way_prometheus_cl
 
 # --- models ----------------------------------------------------------------------------------
 
-async def test_get_models_returns_the_replicas_model(fleet, gateway):
+async def test_get_models_lists_the_replicas_model_once(fleet, gateway):
     client = await gateway(await fleet(2))
+    gw = client.server.app[GATEWAY]
     resp = await client.get("/v1/models")
     assert resp.status == 200
-    assert REPLICA_HEADER in resp.headers
+    assert resp.headers[REPLICAS_HEADER] == ",".join(f"{name}=200" for name in gw.replicas)
     data = await resp.json()
     assert [m["id"] for m in data["data"]] == [MODEL]
 
 
-async def test_get_models_is_answered_by_a_healthy_replica(echo, gateway):
+async def test_get_models_is_answered_by_the_healthy_replicas(echo, gateway):
     replicas = [await echo(), await echo()]
     client = await gateway([r.server for r in replicas])
     gw = client.server.app[GATEWAY]
-    first = next(iter(gw.replicas.values()))
+    first, second = gw.replicas.values()
     first.healthy = False
     resp = await client.get("/v1/models")
     assert resp.status == 200
-    assert resp.headers[REPLICA_HEADER] != first.name
-    assert (await resp.json())["data"][0]["id"] == "echo-model"
+    assert resp.headers[REPLICAS_HEADER] == f"{second.name}=200"
+    assert (await resp.json())["data"][0]["id"] == MODEL
 
 
 # --- the official OpenAI client ---------------------------------------------------------------
@@ -417,6 +419,30 @@ async def test_the_request_log_has_one_line_per_request_with_predictions_and_no_
 
 
 # --- everything down ---------------------------------------------------------------------------
+
+async def test_a_gateway_started_with_every_replica_down_is_not_ready_from_its_first_request(aiohttp_client):
+    from router.tools.launch import free_port
+
+    down = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens there
+    client = await aiohttp_client(create_app(config_from_dict(
+        {"replicas": down, "health": {"interval_s": 60}, "scrape": {"interval_s": 60}}), ByteTokenizer()))
+    ready = await client.get("/ready")  # before any periodic check could have run
+    assert ready.status == 503 and (await ready.json())["healthy_replicas"] == 0
+    resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert resp.status == 503
+
+
+async def test_a_replica_failing_health_checks_is_logged_with_what_it_answered(aiohttp_server, gateway, caplog):
+    async def not_found(request):
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", not_found)
+    server = await aiohttp_server(app)
+    with caplog.at_level("WARNING", logger="router.replicas"):
+        client = await gateway([server])
+        assert (await client.get("/ready")).status == 503
+    assert any(f"HTTP 404 from {url_of(server)}/health" in r.getMessage() for r in caplog.records), caplog.text
 
 async def test_when_every_replica_is_down_requests_get_503_and_ready_is_503(fleet, gateway):
     servers = await fleet(2)

@@ -9,7 +9,7 @@ import random
 
 from router.app import GATEWAY, create_app
 from router.config import config_from_dict
-from router.proxy import REPLICA_HEADER
+from router.constants import REPLICA_HEADER
 from router.tokenizer import ByteTokenizer
 
 from .helpers import MODEL, metric, text
@@ -123,13 +123,21 @@ async def test_replicas_without_events_are_routed_by_the_gateways_guess(fleet, a
     assert all(r["kv_events"] is None for r in view)
 
 
+# A load bound loose enough that nothing spills: where a request spills depends on the in-flight
+# counts at the instant it arrives, so on a loaded machine one run of one gateway differed from
+# the next by 1-2 points (0.667-0.689; CI saw a 2.3-point gap once). Without spillover the gap
+# is what the events are for: each instance's picture of every replica's cache.
+# bench/instances.py measures the instances under the default bound, as medians of runs.
+_NO_SPILL = {"load_factor": 4.0, "load_slack": 8, "holder_load_factor": 8.0, "holder_slack": 16}
+
+
 async def _hit_rate(fleet, aiohttp_server, requests, instances: int, events: bool) -> float:
-    from router.replay.client import replay
+    from router.tools.replay.client import replay
 
     sims = await fleet(4, kv_events=EVENTS)
     urls = [str(s.make_url("")).rstrip("/") for s in sims]
     config = config_from_dict({"replicas": urls, "health": {"interval_s": 1}, "scrape": {"interval_s": 0.1},
-                               "kv_events": {"enabled": events}})
+                               "kv_events": {"enabled": events}, "routing": _NO_SPILL})
     servers = [await aiohttp_server(create_app(config, ByteTokenizer())) for _ in range(instances)]
     for _ in range(300):
         if not events or all(r.stream is not None and r.stream.fresh
@@ -139,13 +147,16 @@ async def _hit_rate(fleet, aiohttp_server, requests, instances: int, events: boo
     records = await replay(requests, [str(s.make_url("")) for s in servers], model=MODEL, time_scale=50,
                            session_header=None)
     assert all(r.error is None for r in records), next(r.error for r in records if r.error)
+    spilled = [x for s in servers for x in s.app[GATEWAY].metrics.spillovers.collect()[0].samples
+               if x.name.endswith("_total") and x.value]
+    assert not spilled, spilled
     return sum(r.cached_tokens for r in records) / sum(r.prompt_tokens for r in records)
 
 
 async def test_four_gateways_following_the_events_reuse_within_a_point_of_one(fleet, aiohttp_server):
     """Without session ids, behind a round-robin client: each instance sees a quarter of every
     conversation, yet the events show each of them every replica's cache (issue 15)."""
-    from router.replay.generate import builtin_workload
+    from router.tools.replay.generate import builtin_workload
 
     requests = builtin_workload("mixed", sessions=48, seed=11)
     one = await _hit_rate(fleet, aiohttp_server, requests, 1, events=True)
@@ -154,7 +165,7 @@ async def test_four_gateways_following_the_events_reuse_within_a_point_of_one(fl
     print(f"token hit rate: one gateway {one:.3f}; four behind a round-robin client {four:.3f} with events, "
           f"{four_guessing:.3f} without")
     assert one > 0.5
-    # Measured: within 0.6-1.0 points (the run-to-run spread of one gateway alone is about half a
-    # point); without events 7-9 points behind. bench/instances.py reports medians of runs.
-    assert abs(one - four) <= 0.02, (one, four, four_guessing)
+    # Measured, with three busy loops beside the test: 0.697 against 0.695-0.697; without events
+    # 7-13 points behind.
+    assert abs(one - four) <= 0.01, (one, four, four_guessing)
     assert four - four_guessing >= 0.03, (one, four, four_guessing)

@@ -35,8 +35,8 @@ async def test_the_gateways_bookkeeping_stays_within_its_bounds_over_a_long_repl
     what the replay would fill)."""
     from router.app import GATEWAY, create_app
     from router.config import config_from_dict
-    from router.replay.client import replay
-    from router.replay.generate import builtin_workload
+    from router.tools.replay.client import replay
+    from router.tools.replay.generate import builtin_workload
     from router.tokenizer import ByteTokenizer
 
     from .helpers import MODEL

@@ -9,18 +9,17 @@ in whole simulator blocks, and never its last token.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from router.replay.client import replay
-from router.replay.summary import summarize
-from router.replay.workloads import load_mooncake
-from router.sim.config import SimConfig
-from router.sim.server import create_app
+from router.tools.replay.client import replay
+from router.tools.replay.summary import summarize
+from router.tools.replay.workloads import load_mooncake
+from router.tools.sim.config import SimConfig
+from router.tools.sim.server import create_app
 from router.tokenizer import ByteTokenizer
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+from .helpers import mooncake_trace
+
 TRACE_BLOCK = 512
 SIM_BLOCK = 16
 LIMIT = 2000
@@ -50,10 +49,9 @@ def exact_prefix_hit_rate(trace: list[tuple[list[int], int]]) -> float:
 
 
 @pytest.fixture
-def trace_requests():
-    if not TRACE.exists():
-        pytest.skip(f"{TRACE} not found: the shared trace folder is absent (a user's clone has none)")
-    return load_mooncake(TRACE, block_size=TRACE_BLOCK, limit=LIMIT)
+def trace_requests(tmp_path):
+    # the shared trace, or one in its format in a clone without it
+    return load_mooncake(mooncake_trace(tmp_path), block_size=TRACE_BLOCK, limit=LIMIT)
 
 
 async def test_replayed_hit_rate_equals_an_exact_prefix_count(aiohttp_server, trace_requests):

@@ -1,4 +1,4 @@
-"""The trace replayer (router/replay): loaders, the built-in workload, the client and summaries."""
+"""The trace replayer (router/tools/replay): loaders, the built-in workload, the client and summaries."""
 
 from __future__ import annotations
 
@@ -8,18 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from router.replay.cli import add_parser as add_replay_parser
-from router.replay.cli import run as replay_cli_run
-from router.replay.client import replay
-from router.replay.generate import builtin_workload
-from router.replay.summary import percentile, summarize
-from router.replay.workloads import (CHAT, COMPLETIONS, load_mooncake, load_trajectories, token_text,
+from router.tools.replay.cli import add_parser as add_replay_parser
+from router.tools.replay.cli import run as replay_cli_run
+from router.tools.replay.client import replay
+from router.tools.replay.generate import builtin_workload
+from router.tools.replay.summary import percentile, summarize
+from router.tools.replay.workloads import (CHAT, COMPLETIONS, load_mooncake, load_trajectories, token_text,
                                      trajectory_messages)
-from router.sim.config import SimConfig
-from router.sim.server import create_app
+from router.tools.sim.config import SimConfig
+from router.tools.sim.server import create_app
 from router.tokenizer import ByteTokenizer
 
-AGENT_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "agent_traces"
+from .helpers import agent_traces
+
 
 
 def is_prefix(shorter: list, longer: list) -> bool:
@@ -150,10 +151,8 @@ def test_trajectory_copies_share_the_system_prompt_but_not_the_task(tmp_path):
     assert len({r.at_s for r in requests if r.turn == 0}) == 5  # staggered starts
 
 
-def test_the_shared_agent_traces_load_as_append_only_chat_sessions():
-    paths = sorted(AGENT_TRACES.glob("*.traj")) if AGENT_TRACES.is_dir() else []
-    if not paths:
-        pytest.skip(f"no SWE-agent trajectories at {AGENT_TRACES}")
+def test_the_shared_agent_traces_load_as_append_only_chat_sessions(tmp_path):
+    paths = agent_traces(tmp_path)  # the shared ones, or the built-in agent sessions in their format
     requests = load_trajectories(paths)
     sessions = by_session(requests)
     assert len(sessions) == len(paths)
@@ -295,13 +294,27 @@ async def test_summarize_computes_the_token_hit_rate_of_the_records(sim_url):
 
 
 def test_summarize_counts_failed_records_as_errors_and_leaves_them_out_of_tokens():
-    from router.replay.client import Record
+    from router.tools.replay.client import Record
 
     good = Record(0, None, 0, 0.0, 0.1, 0.2, 100, 40, 5, 200, None, None)
     bad = Record(1, None, 0, 0.0, None, None, 50, 50, None, 500, "boom", None)
     summary = summarize([good, bad])
     assert summary["errors"] == 1
     assert summary["token_hit_rate"] == pytest.approx(0.4)
+
+
+def test_a_summary_of_failed_requests_says_why_they_failed():
+    from router.tools.replay.client import Record
+    from router.tools.replay.summary import format_summary
+
+    not_found = json.dumps({"error": {"message": "The model `gpt-4` does not exist.", "code": 404}})
+    records = [Record(i, None, 0, 0.0, None, None, None, None, None, 404, not_found, None) for i in range(5)]
+    records.append(Record(5, None, 0, 0.0, None, None, None, None, None, 0, "ClientConnectorError: refused", None))
+    summary = summarize(records)
+    assert summary["errors"] == 6
+    assert summary["error_kinds"] == [[5, "HTTP 404: The model `gpt-4` does not exist."],
+                                      [1, "no response: ClientConnectorError: refused"]]
+    assert "5 x HTTP 404: The model `gpt-4` does not exist." in format_summary(summary)
 
 
 def test_percentile_interpolates_linearly():

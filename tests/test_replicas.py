@@ -21,6 +21,7 @@ def page(queries: float, waiting: int = 0) -> str:
 
 def replica_with_history() -> ReplicaState:
     replica = ReplicaState(ReplicaConfig(url="http://r:8000"), "r:8000")
+    apply_health(replica, True, HEALTH)
     apply_metrics(replica, page(500))
     replica.shadow.insert([BlockHash(i) for i in range(1, 11)])
     return replica
@@ -33,6 +34,30 @@ def fail_then_recover(replica: ReplicaState) -> None:
     apply_health(replica, True, HEALTH)
     assert replica.healthy
     assert not replica.routable, "back on the ring before its counters were checked"
+
+
+@pytest.mark.parametrize("scrape_first", [False, True], ids=["check-then-scrape", "scrape-then-check"])
+def test_a_new_replica_joins_the_ring_once_it_passed_a_health_check_and_a_scrape(scrape_first):
+    replica = ReplicaState(ReplicaConfig(url="http://r:8000"), "r:8000")
+    assert not replica.routable  # nothing known of it yet: not on the ring, so /ready is not 200
+    first, second = ((lambda: apply_metrics(replica, page(0))), (lambda: apply_health(replica, True, HEALTH)))
+    if not scrape_first:
+        first, second = second, first
+    first()
+    assert not replica.routable
+    second()
+    assert replica.routable
+
+
+def test_a_new_replica_that_fails_its_first_checks_stays_off_the_ring_until_one_passes():
+    replica = ReplicaState(ReplicaConfig(url="http://r:8000"), "r:8000")
+    apply_metrics(replica, page(0))
+    for _ in range(3):
+        apply_health(replica, False, HEALTH)
+        assert not replica.routable
+    apply_health(replica, True, HEALTH)  # healthy_after=1
+    apply_metrics(replica, page(0))
+    assert replica.routable
 
 
 @pytest.mark.parametrize(("queries_after", "blocks_kept"), [
@@ -56,6 +81,7 @@ def test_a_restart_seen_only_by_the_metrics_clears_the_index_without_a_health_fa
 
 def test_a_replica_back_with_zero_counters_restarted_even_if_no_scrape_saw_them_move():
     replica = ReplicaState(ReplicaConfig(url="http://r:8000"), "r:8000")
+    apply_health(replica, True, HEALTH)
     apply_metrics(replica, page(0))
     replica.shadow.insert([BlockHash(i) for i in range(1, 11)])  # routed to it, then it died
     fail_then_recover(replica)

@@ -1,4 +1,4 @@
-"""The simulated vLLM replica's HTTP API (router/sim/server.py), driven in-process."""
+"""The simulated vLLM replica's HTTP API (router/tools/sim/server.py), driven in-process."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.sim.config import SimConfig
-from router.sim.server import ENGINE, create_app
+from router.tools.sim.config import SimConfig
+from router.tools.sim.server import ENGINE, create_app
 from router.tokenizer import ByteTokenizer
 
 MODEL = "test-model"

@@ -11,7 +11,7 @@ import pytest
 
 from router.app import create_app
 from router.config import ConfigError, config_from_dict
-from router.proxy import REPLICA_HEADER
+from router.constants import REPLICA_HEADER
 from router.tokenizer import ByteTokenizer
 
 from .helpers import MODEL, text

@@ -1,7 +1,7 @@
 """Incremental chat tokenization always equals a full tokenization.
 
 The tokenizer under test is the tiny byte-level BPE the real-engine tier serves (built here
-from ``router/tiny_model.py``, tokenizer only: no torch needed). Hypothesis drives
+from ``router/tools/tiny_model.py``, tokenizer only: no torch needed). Hypothesis drives
 random multi-turn conversations, tool lists and awkward text (unicode, whitespace, the special
 tokens' own text inside content) through one ``HFTokenizer`` whose prefix cache is warm from
 earlier turns and earlier conversations; every prompt's ids must equal the ids of encoding the
@@ -14,9 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from router.tools.tiny_model import build_tokenizer
 from router.tokenizer import HFTokenizer
 
-from router.tiny_model import build_tokenizer
+from .helpers import TEMPLATES, with_template
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +84,13 @@ OTHER_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def other_tokenizer(tokenizer_dir, tmp_path_factory):
-    import shutil
-
-    out = tmp_path_factory.mktemp("other-template")
-    for f in tokenizer_dir.iterdir():
-        shutil.copy(f, out / f.name)
-    (out / "chat_template.jinja").write_text(OTHER_TEMPLATE)
-    return HFTokenizer(str(out))
+def other_tokenizers(tokenizer_dir, tmp_path_factory):
+    """The tiny tokenizer with ``OTHER_TEMPLATE``, then with each of ``TEMPLATES``."""
+    assert len(TEMPLATES) >= 2
+    toks = [with_template(tokenizer_dir, tmp_path_factory.mktemp("other-template"), OTHER_TEMPLATE)]
+    for path in TEMPLATES:
+        toks.append(with_template(tokenizer_dir, tmp_path_factory.mktemp(path.stem), path.read_text()))
+    return toks
 
 
 names = st.none() | st.from_regex(r"[a-z]{1,6}", fullmatch=True)
@@ -107,11 +107,11 @@ kwargs_st = st.none() | st.fixed_dictionaries({"style": st.sampled_from(["terse"
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(messages=messages_st, tools=tool_lists, kwargs=kwargs_st, generation=st.booleans())
-def test_the_compiled_template_renders_what_apply_chat_template_renders(tokenizer, other_tokenizer, messages, tools,
+def test_the_compiled_template_renders_what_apply_chat_template_renders(tokenizer, other_tokenizers, messages, tools,
                                                                          kwargs, generation):
     from router.tokenizer import normalize_messages, normalize_tools
 
-    for tok in (tokenizer, other_tokenizer):
+    for tok in (tokenizer, *other_tokenizers):
         assert tok._template is not None  # the fast path is the one under test
         conversation = normalize_messages(messages)
         expected = tok._tok.apply_chat_template(conversation, tools=normalize_tools(tools), tokenize=False,

@@ -15,8 +15,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from router.launch import gateway_server, running, sim_server
+from router.tools.launch import gateway_server, running, sim_server
 from router.metrics import sample_sum
+from router.workers import MULTIPROC_ENV
 
 from .helpers import MODEL
 
@@ -143,6 +144,9 @@ def test_a_port_another_program_holds_is_refused_in_one_line_with_or_without_wor
 def test_workers_stop_when_their_supervisor_is_killed(tmp_path):
     with running([sim_server(tmp_path, ["--model", MODEL, "--time-scale", "1000"])]) as (replica,):
         gateway = gateway_server(tmp_path, [replica], ["--workers", "2"])
+        # a supervisor killed cannot remove the metrics folder it made: give it one here
+        (tmp_path / "metrics").mkdir()
+        gateway.env[MULTIPROC_ENV] = str(tmp_path / "metrics")
         with running([gateway]) as (url,):
             workers = _wait(lambda: _children(gateway.pid) if len(_children(gateway.pid)) == 2 else None)
             assert workers

@@ -2,7 +2,8 @@
 
 Both get the same block size (32) and the block count the real engine reports, and the same
 sequence of requests, sent one at a time: every agent turn of the SWE-agent trajectories in
-``../shared/agent_traces`` (sessions interleaved turn by turn), with unrelated prompts between
+``../shared/agent_traces`` (in a clone without that folder, of the built-in agent workload's
+first sessions; sessions interleaved turn by turn), with unrelated prompts between
 them so that the small KV cache must evict. Every request's ``cached_tokens`` must be equal.
 One at a time is deliberate: with concurrent requests, the order in which two requests that
 arrive together enter the engine is a race in either server, and a hit can legitimately differ.
@@ -18,7 +19,10 @@ import random
 
 import pytest
 
-from router.replay.workloads import load_trajectories
+from router.prompts import chat_tokens
+from router.tokenizer import HFTokenizer
+from router.tools.replay.generate import builtin_workload
+from router.tools.replay.workloads import load_trajectories
 
 from .harness import SHARED, post_json, sim_server, tiny_model, unbounded_hits, vllm_server
 
@@ -31,24 +35,45 @@ MAX_MODEL_LEN = 16_384
 
 def _requests() -> list[tuple[str, dict]]:
     traces = sorted((SHARED / "agent_traces").glob("*.traj"))
-    if not traces:
-        pytest.skip(f"no agent trajectories under {SHARED / 'agent_traces'} (the shared data folder)")
-    turns = load_trajectories(traces, max_tokens=8)
+    turns = load_trajectories(traces, max_tokens=8) if traces else _builtin_turns()
     turns.sort(key=lambda r: (r.turn, r.session))  # interleave sessions turn by turn
     rng = random.Random(7)
+    top = min(2000, HFTokenizer(str(tiny_model())).vocab_size)  # the tiny vocabulary is smaller without ../shared
     out: list[tuple[str, dict]] = []
     for i, turn in enumerate(turns):
         out.append(("/v1/chat/completions", turn.body))
         if i % 2 == 1:  # an unrelated prompt that pushes other prefixes out of the cache
-            tokens = [rng.randrange(100, 2000) for _ in range(rng.randrange(1500, 3500))]
+            tokens = [rng.randrange(100, top) for _ in range(rng.randrange(1500, 3500))]
             out.append(("/v1/completions", {"prompt": tokens, "max_tokens": 8, "ignore_eos": True}))
     return out
+
+
+def _builtin_turns(sessions: int = 8):
+    """The built-in agent workload's first ``sessions`` sessions, each cut before its first turn
+    longer than the model takes, 8 output tokens a turn."""
+    tokenizer = HFTokenizer(str(tiny_model()))
+    workload = builtin_workload("agent", seed=0)
+    keep = list(dict.fromkeys(r.session for r in workload))[:sessions]
+    cut: set[str] = set()
+    turns = []
+    for r in workload:
+        if r.session not in keep or r.session in cut:
+            continue
+        r.body = {**r.body, "max_tokens": 8, "ignore_eos": True}
+        if len(chat_tokens(r.body, tokenizer)) + 8 > MAX_MODEL_LEN:
+            cut.add(r.session)
+            continue
+        turns.append(r)
+    return turns
 
 
 def _token_ids(base: str, path: str, body: dict) -> list[int]:
     if path.endswith("/completions") and "prompt" in body:
         return body["prompt"]
-    return post_json(base + "/tokenize", {"model": "tiny", "messages": body["messages"]})["tokens"]
+    query = {"model": "tiny", "messages": body["messages"]}
+    if body.get("tools"):
+        query["tools"] = body["tools"]
+    return post_json(base + "/tokenize", query)["tokens"]
 
 
 def test_sim_matches_vllm_cached_tokens(tmp_path):

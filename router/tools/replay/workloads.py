@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,8 @@ import numpy as np
 
 __all__ = ["ReplayRequest", "load_mooncake", "load_trajectories", "load_request_log", "mooncake_block_tokens",
            "load_workload", "token_text"]
+
+log = logging.getLogger(__name__)
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -218,17 +221,23 @@ def load_request_log(path: str | Path) -> list[ReplayRequest]:
     ``meta`` holds its ``line`` (1-based). Raises ``ValueError`` for a line that is
     not JSON, or a file with no request body (a gateway log written without
     ``request_log_bodies``)."""
-    from ..prompts import conversation_id
+    from ...prompts import conversation_id
 
     requests: list[ReplayRequest] = []
     turns: dict[str, int] = {}
     t0 = None
-    for number, text in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+    content = Path(path).read_text(encoding="utf-8")
+    lines = content.splitlines()
+    for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
         try:
             line = json.loads(text)
         except ValueError as exc:
+            if number == len(lines) and not content.endswith("\n"):
+                # a log still being written ends in a line cut short: read what is complete
+                log.warning("%s:%d: the last line is incomplete (a log still being written?); skipped", path, number)
+                break
             raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
         parsed = _logged_request(line) if isinstance(line, dict) else None
         if parsed is None:

@@ -14,16 +14,12 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ...constants import VLLM_LATENCY_BUCKETS, VLLM_TTFT_BUCKETS
 from .config import SimConfig
 from .scheduler import Scheduler, SimRequest
 
 __all__ = ["EngineMetrics"]
 
-# vllm/v1/metrics/loggers.py (0.32): PrometheusStatLogger histogram buckets.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 LABELS = ("model_name", "engine")
 
 
@@ -80,12 +76,12 @@ class EngineMetrics:
         self.finished: dict[str, int] = {}
         labels = [config.model, "0"]
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              LABELS, buckets=TTFT_BUCKETS, registry=self.registry).labels(*labels)
+                              LABELS, buckets=VLLM_TTFT_BUCKETS, registry=self.registry).labels(*labels)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             LABELS, buckets=LATENCY_BUCKETS, registry=self.registry).labels(*labels)
+                             LABELS, buckets=VLLM_LATENCY_BUCKETS, registry=self.registry).labels(*labels)
         self.queue = Histogram("vllm:request_queue_time_seconds",
                                "Histogram of time spent in WAITING phase for request.",
-                               LABELS, buckets=LATENCY_BUCKETS, registry=self.registry).labels(*labels)
+                               LABELS, buckets=VLLM_LATENCY_BUCKETS, registry=self.registry).labels(*labels)
         self.registry.register(_StateCollector(config, scheduler, self))
 
     def on_first_token(self, request: SimRequest) -> None:

@@ -2,8 +2,12 @@
 
 Run as a script with the vLLM environment's Python (the model needs torch; the tokenizer alone,
 ``--tokenizer-only``, needs only ``tokenizers`` and ``transformers``, which the gateway has):
-    .venv-vllm/bin/python router/tiny_model.py OUT_DIR [--corpus DIR] [--tokenizer-only]
+    .venv-vllm/bin/python router/tools/tiny_model.py OUT_DIR [--corpus DIR] [--tokenizer-only]
+    .venv-vllm/bin/python router/tools/tiny_model.py OUT_DIR --lora [--seed N]
 It imports nothing from this package, so it runs in an environment that does not have it.
+``--lora`` builds a LoRA adapter for the model instead (PEFT's format, rank 8 on ``q_proj`` and
+``v_proj``, small random weights), which ``vllm serve --enable-lora`` loads with
+``/v1/load_lora_adapter``.
 
 Nothing is downloaded. The tokenizer is a byte-level BPE (vocab 2048) trained on the text of
 the SWE-agent trajectories in ``--corpus`` when given (else on generated text), so agent
@@ -120,14 +124,39 @@ def build_model(out: Path, vocab_size: int, eos_id: int) -> None:
     LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
 
 
+def build_lora(out: Path, seed: int = 0, rank: int = 8) -> None:
+    """A PEFT LoRA adapter for the tiny model (``adapter_config.json``, ``adapter_model.safetensors``)."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+              "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False,
+              "inference_mode": True, "base_model_name_or_path": "tiny"}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(2):  # hidden 128; q_proj out 2 heads x 64, v_proj out 1 KV head x 64
+        for name, out_features in (("q_proj", 128), ("v_proj", 64)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn(rank, 128, generator=generator) * 0.01
+            weights[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.01
+    save_file(weights, str(out / "adapter_model.safetensors"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--corpus", type=Path, default=None,
                         help="folder of SWE-agent .traj files to train the tokenizer on")
     parser.add_argument("--tokenizer-only", action="store_true", help="skip the model (no torch needed)")
+    parser.add_argument("--lora", action="store_true", help="build a LoRA adapter for the model instead")
+    parser.add_argument("--seed", type=int, default=0, help="the LoRA adapter's weights' seed")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.lora:
+        build_lora(args.out, args.seed)
+        print(args.out)
+        return
     build_tokenizer(args.out, args.corpus)
     if args.tokenizer_only:
         print(args.out)

@@ -11,7 +11,7 @@ Reused tokens are the engine's own ``usage.prompt_tokens_details.cached_tokens``
 breakdown and spillovers are the gateway's ``/metrics``; TTFT is measured at the client. With
 simulated replicas time runs ``--time-scale`` times faster than modelled, and TTFT is reported
 in modelled time (wall time x scale). Replicas and the gateway share the tiny byte-level BPE
-tokenizer of ``router/tiny_model.py`` (built once into the cache folder), so routing is on
+tokenizer of ``router/tools/tiny_model.py`` (built once into the cache folder), so routing is on
 exact token blocks. The demo is not on the gateway's request path.
 """
 
@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -31,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import launch
-from .metrics import sample_sum
+from ..causes import FIXES, Cause
+from ..metrics import sample_sum
 from .replay.client import Record, replay
 from .replay.summary import percentile
 from .replay.workloads import load_workload
@@ -228,9 +230,12 @@ def _change_sites(run: PolicyRun) -> list[str]:
     out = []
     for site in run.change_sites[:5]:
         m = site["message_index"]
-        where = "the tool list" if m == -1 else f"message {m}" if m >= 0 else "the prompt"
+        role = f" ({site['role']})" if site.get("role") else ""
+        where = "the tool list" if m == -1 else f"message {m}{role}" if m >= 0 else "the prompt"
         count = site["count"]
-        out.append(f"  {count:>4} request{'s' if count != 1 else ''}: {where}, token {site['token_position']}")
+        out.append(f"  {count:>4} request{'s' if count != 1 else ''}: {site['cause']} at {where}, token "
+                   f"{site['token_position']} ({site.get('lost_tokens', 0):,} tokens recomputed); "
+                   f"fix: {FIXES[Cause(site['cause'])]}")
     return out
 
 
@@ -293,22 +298,27 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM as Ctrl-C: unwind, so that every replica and gateway started is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"prefix-router demo: {len(requests)} requests through {args.replicas} {kind} replicas, with prefix "
-          f"affinity and then round-robin (logs in {log_dir})", file=sys.stderr)
+          "affinity and then round-robin", file=sys.stderr)
     try:
         runs = (_run_vllm(requests, args, model, python, log_dir) if vllm
                 else _run_sim(requests, args, model, log_dir))
     except (RuntimeError, OSError) as exc:
-        print(f"prefix-router demo: {exc}\n(logs in {log_dir})", file=sys.stderr)
+        print(f"prefix-router demo: {exc}\n(the replicas' and gateways' logs are in {log_dir})", file=sys.stderr)
         return 2
     text, figures = report(runs, 1.0 if vllm else args.time_scale, title)  # vLLM runs in real time
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
     errors = sum(1 for run in runs for r in run.records if r.status != 200 or r.error)
-    return 0 if errors == 0 else 1
+    if errors:
+        print(f"prefix-router demo: {errors} requests failed (the replicas' and gateways' logs are in {log_dir})",
+              file=sys.stderr)
+        return 1
+    shutil.rmtree(log_dir, ignore_errors=True)  # nothing to look at: leave nothing behind
+    return 0
 
 
 if __name__ == "__main__":
-    from .cli import main
+    from ..cli import main
 
     sys.exit(main(["demo", *sys.argv[1:]]))

@@ -28,17 +28,16 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from .blocks import BlockHash
-from .causes import FIXES, Cause, RequestPrint, explain, fingerprint
-from .conversations import TAIL_BLOCKS
-from .prompts import analyze
+from ..blocks import BlockHash
+from ..causes import FIXES, Cause, RequestPrint, explain, fingerprint
+from ..constants import CHAR_BLOCK_SIZE, VLLM_BLOCK_SIZE
+from ..conversations import TAIL_BLOCKS
+from ..prompts import analyze
 from .replay.workloads import CHAT, load_request_log
 
 __all__ = ["Break", "ConversationReport", "audit", "add_parser"]
 
 CHARS_PER_TOKEN = 4  # without a tokenizer: OpenAI's rule of thumb for English text
-CHAR_BLOCK_SIZE = 64  # the gateway's default routing.char_block_size: 16 estimated tokens a block
-TOKEN_BLOCK_SIZE = 16  # vLLM's default block size on GPU
 
 
 @dataclass(slots=True)
@@ -86,7 +85,7 @@ def _leading(hashes: list[BlockHash], known) -> int:
     return n
 
 
-def audit(path: str, tokenizer=None, block_size: int = TOKEN_BLOCK_SIZE) -> dict:
+def audit(path: str, tokenizer=None, block_size: int = VLLM_BLOCK_SIZE) -> dict:
     """Audit the request log at ``path`` (see the module docstring); returns the JSON report:
     ``unit`` ("tokens" or "estimated tokens"), ``totals``, ``by_cause`` and ``conversations``.
 
@@ -145,7 +144,8 @@ def format_report(report: dict) -> str:
     t, unit = report["totals"], report["unit"]
     about = "~" if unit != "tokens" else ""  # estimated: 4 characters a token
     lines = [f"{report['file']}: {t['requests']} requests in {t['conversations']} conversations, "
-             f"{t['prompt_tokens']:,} prompt {unit}" + (" (4 characters a token; --tokenizer DIR for exact)" if about else ""),
+             f"{about}{t['prompt_tokens']:,} prompt tokens" + (" (estimated at 4 characters a token; --tokenizer DIR "
+                                                               "for exact counts)" if about else ""),
              f"reused now:              {t['reused_tokens']:>12,} ({_share(t['reused_tokens'], t['prompt_tokens'])})",
              f"reused if breaks fixed:  {t['reused_if_fixed']:>12,} ({_share(t['reused_if_fixed'], t['prompt_tokens'])})",
              f"breaks: {t['breaks']}", ""]
@@ -178,7 +178,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file", help="JSONL: one request body a line (optional 'session' field), or a gateway request log")
     p.add_argument("--tokenizer", default=None,
                    help="the served model's tokenizer folder: exact tokens (default: 4 characters a token)")
-    p.add_argument("--block-size", type=int, default=TOKEN_BLOCK_SIZE, help="tokens per KV block (with --tokenizer)")
+    p.add_argument("--block-size", type=int, default=VLLM_BLOCK_SIZE, help="tokens per KV block (with --tokenizer)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
@@ -186,7 +186,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     tokenizer = None
     if args.tokenizer:
-        from .tokenizer import HFTokenizer
+        from ..tokenizer import HFTokenizer
 
         tokenizer = HFTokenizer(args.tokenizer)
     try:

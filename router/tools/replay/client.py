@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass
 
 import aiohttp
 
+from ...constants import REPLICA_HEADER
 from .workloads import ReplayRequest
 
 __all__ = ["Record", "replay", "REPLICA_HEADER"]
 
-REPLICA_HEADER = "x-prefix-router-replica"  # set by the gateway on every proxied response
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ Each run is cold: its requests carry a cache salt of their own (vLLM's ``cache_s
 the request had is kept inside it), so no run reuses another's KV blocks, without restarting
 or resetting anything. Through a gateway with tenants configured, use ``auth.client_salt: nest``
 so the salt reaches the engine. Without ``--target`` the gate starts its own fleet on loopback:
-``--replicas`` simulated replicas behind a prefix-affinity gateway (router/launch.py), stopped
+``--replicas`` simulated replicas behind a prefix-affinity gateway (router/tools/launch.py), stopped
 when it ends.
 """
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...constants import VLLM_BLOCK_SIZE
+
 __all__ = ["SimConfig"]
 
 
@@ -38,7 +40,7 @@ class SimConfig:
     """
 
     model: str = "meta-llama/Llama-3.1-8B-Instruct"  # served model name
-    block_size: int = 16  # tokens per KV block
+    block_size: int = VLLM_BLOCK_SIZE  # tokens per KV block
     num_gpu_blocks: int = 28_000  # KV capacity in blocks, as vLLM reports it (incl. null block)
     max_num_seqs: int = 1024  # running requests at most
     max_num_batched_tokens: int = 8192  # tokens scheduled per engine step at most
@@ -52,7 +54,7 @@ class SimConfig:
     seed: int = 0  # seeds the generated token ids
     # vLLM's --kv-events-config: {"enable_kv_cache_events": true, "publisher": "zmq",
     # "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "", "buffer_steps":
-    # 10000}; None or disabled: no events (router/sim/kv_events.py)
+    # 10000}; None or disabled: no events (router/tools/sim/kv_events.py)
     kv_events: dict | None = None
 
     def validate(self) -> SimConfig:

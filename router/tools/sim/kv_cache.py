@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from ..blocks import BlockHash, extend_block_hashes, seed_hash
+from ...blocks import BlockHash, extend_block_hashes, seed_hash
 from .kv_events import BlockRemoved, BlockStored
 
 __all__ = ["BlockHash", "Block", "KVCache", "seed_hash", "extend_block_hashes"]

@@ -22,8 +22,8 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..errors import openai_error
-from ..tokenizer import ChatFormatError, PromptTokenizer
+from ...errors import openai_error
+from ...tokenizer import ChatFormatError, PromptTokenizer
 from .config import SimConfig
 from .engine import Engine
 from .requests import ApiError, CompletionParams, parse_chat, parse_completion, parse_tokenize

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from collections.abc import Sequence
 
 from .client import Record
@@ -21,8 +23,9 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def summarize(records: Sequence[Record], time_scale: float = 1.0) -> dict:
-    """Totals over ``records``: requests, errors, prompt and cached tokens, token hit rate,
-    TTFT p50/p90/p99 and latency p50/p99 (wall seconds, and x ``time_scale`` as modelled seconds).
+    """Totals over ``records``: requests, errors (and ``error_kinds``: the commonest reasons, as
+    ``[count, reason]``), prompt and cached tokens, token hit rate, TTFT p50/p90/p99 and latency
+    p50/p99 (wall seconds, and x ``time_scale`` as modelled seconds).
     """
     ok = [r for r in records if r.status == 200 and r.error is None]
     prompt = sum(r.prompt_tokens or 0 for r in ok)
@@ -33,6 +36,8 @@ def summarize(records: Sequence[Record], time_scale: float = 1.0) -> dict:
     out = {
         "requests": len(records),
         "errors": len(records) - len(ok),
+        "error_kinds": [[n, reason] for reason, n in Counter(_reason(r) for r in records
+                                                            if r.status != 200 or r.error is not None).most_common(3)],
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "token_hit_rate": cached / prompt if prompt else 0.0,
@@ -45,6 +50,17 @@ def summarize(records: Sequence[Record], time_scale: float = 1.0) -> dict:
     for q in (50, 99):
         out[f"latency_p{q}_s"] = percentile(latency, q)
     return out
+
+
+def _reason(record: Record) -> str:
+    """Why a request failed, in one short line: the HTTP status and the error's message."""
+    message = record.error or ""
+    try:
+        message = json.loads(message)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        pass
+    status = f"HTTP {record.status}" if record.status else "no response"
+    return f"{status}: {' '.join(str(message).split())[:160]}" if message else status
 
 
 def format_summary(s: dict) -> str:
@@ -60,6 +76,8 @@ def format_summary(s: dict) -> str:
         f"TTFT p50 {ms(s['ttft_p50_s'])}  p90 {ms(s['ttft_p90_s'])}  p99 {ms(s['ttft_p99_s'])}  "
         f"latency p50 {ms(s['latency_p50_s'])}  p99 {ms(s['latency_p99_s'])}  (wall clock)",
     ]
+    for n, reason in s.get("error_kinds", []):
+        lines.append(f"  {n} x {reason}")
     if s["time_scale"] != 1.0:
         k = s["time_scale"]
         lines.append(f"x time scale {k:g} (modelled): TTFT p50 {ms(s['ttft_p50_s'] and s['ttft_p50_s'] * k)}  "

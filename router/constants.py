@@ -1,0 +1,28 @@
+"""Constants that the gateway and the tools beside it share, each defined once, with its source.
+
+Configuration defaults stay with their fields (``config/schema.py``); what is here is what more
+than one module must agree on.
+"""
+
+from __future__ import annotations
+
+__all__ = ["REPLICA_HEADER", "VLLM_BLOCK_SIZE", "CHAR_BLOCK_SIZE", "VLLM_TTFT_BUCKETS", "VLLM_LATENCY_BUCKETS"]
+
+# The response header naming the replica that served a proxied request (the replay client,
+# the demo and the tests read it)
+REPLICA_HEADER = "x-prefix-router-replica"
+
+# vLLM's default KV block size on GPU (``CacheConfig.block_size``, vllm/config/cache.py): the
+# gateway's, the simulator's and the audit's when nothing says otherwise
+VLLM_BLOCK_SIZE = 16
+
+# Characters per block when the gateway has no tokenizer (``routing.char_block_size``'s
+# default): about 16 tokens of English at 4 characters a token
+CHAR_BLOCK_SIZE = 64
+
+# vllm/v1/metrics/loggers.py (0.32), PrometheusStatLogger's histogram buckets in seconds: the
+# gateway's TTFT and request-duration histograms use them too, so both sides line up on a dashboard
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                        120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)

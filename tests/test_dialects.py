@@ -1,0 +1,420 @@
+"""Responses and Anthropic Messages routed by prefix (router/dialects.py, router/anthropic.py): the chat request each
+is read as, their streams and usage, and the histories behind ``previous_response_id``.
+
+That the chat request is the one vLLM renders is checked against vLLM's own render endpoints in
+tests/vllm_tier/test_dialects_vllm.py; here, the mapping's rules and the gateway's handling,
+with small aiohttp replicas that answer as vLLM 0.32 does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+import pytest
+from aiohttp import web
+
+from router.app import GATEWAY, create_app
+from router.config import config_from_dict
+from router.constants import REPLICA_HEADER
+from router.anthropic import merges_inline_system, messages_prompt
+from router.dialects import MESSAGES, RESPONSES, Events, chat_usage, responses_prompt
+from router.response_homes import ResponseHomes
+from router.tokenizer import ByteTokenizer
+from router.tools.tiny_model import CHAT_TEMPLATE
+
+from .helpers import MODEL, metric
+
+# -- the chat request each API is read as -------------------------------------------------------
+
+
+def test_responses_instructions_history_and_items_become_chat_messages():
+    history = [{"role": "system", "content": "old instructions"}, {"role": "user", "content": "q1"},
+               {"role": "assistant", "content": "a1"}]
+    body = {"model": MODEL, "instructions": "new instructions", "cache_salt": "s", "input": [
+        {"role": "user", "content": "weather?"},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "look it up"}], "summary": []},
+        {"type": "function_call", "call_id": "c1", "name": "get", "namespace": "ns", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "other", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]}
+    chat = responses_prompt(body, history)
+    assert chat["cache_salt"] == "s" and chat["model"] == MODEL
+    assert [m["role"] for m in chat["messages"]] == ["system", "user", "assistant", "user", "assistant", "tool"]
+    assert chat["messages"][0]["content"] == "new instructions"  # the old ones do not carry over
+    merged = chat["messages"][4]  # reasoning and both calls in one assistant message
+    assert merged["reasoning"] == "look it up"
+    assert [c["function"]["name"] for c in merged["tool_calls"]] == ["ns__get", "other"]
+    assert chat["messages"][5] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+
+
+def test_a_last_incomplete_assistant_message_is_continued():
+    body = {"input": [{"role": "user", "content": "q"}, {"type": "message", "role": "assistant", "status": "incomplete",
+                                                         "content": [{"type": "output_text", "text": "so far"}]}]}
+    chat = responses_prompt(body)
+    assert chat["messages"][-1] == {"role": "assistant", "content": "so far"}
+    assert chat["continue_final_message"] is True and chat["add_generation_prompt"] is False
+
+
+def test_reading_a_responses_body_leaves_the_clients_items_unchanged():
+    item = {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}
+    body = {"input": [item, {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}
+    before = json.dumps(body)
+    responses_prompt(body)
+    assert json.dumps(body) == before  # the call was merged into a copy of the item, not into the item
+
+
+def test_responses_tools_are_shown_as_chat_function_tools():
+    tools = [{"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True},
+             {"type": "custom", "name": "run"}, {"type": "web_search"},
+             {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "g"}]}]
+    chat = responses_prompt({"input": "x", "tools": tools})
+    names = [t["function"]["name"] for t in chat["tools"]]
+    assert names == ["f", "run", "ns__g"]  # a built-in tool is not shown to the model
+    assert chat["tools"][0]["function"]["strict"] is True
+    assert chat["tools"][1]["function"]["parameters"]["required"] == ["input"]
+
+
+def test_messages_system_blocks_tool_use_and_tool_results_become_chat_messages():
+    body = {"system": [{"type": "text", "text": "x-anthropic-billing-header: cch=0f3a"},
+                       {"type": "text", "text": "You are an agent."}],
+            "messages": [{"role": "user", "content": "fix it"},
+                         {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"},
+                                                           {"type": "tool_use", "id": "t1", "name": "bash",
+                                                            "input": {"cmd": "ls"}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a.py"},
+                                                      {"type": "text", "text": "go on"}]}],
+            "tools": [{"name": "bash", "description": "run", "input_schema": {"type": "object"}}]}
+    chat = messages_prompt(body)
+    assert chat["messages"][0] == {"role": "system", "content": "You are an agent."}  # the billing block left out
+    assert [m["role"] for m in chat["messages"]] == ["system", "user", "assistant", "tool", "user"]
+    call = chat["messages"][2]["tool_calls"][0]
+    assert call["id"] == "t1" and json.loads(call["function"]["arguments"]) == {"cmd": "ls"}
+    assert chat["messages"][2]["reasoning"] == "hm"
+    assert chat["messages"][3] == {"role": "tool", "tool_call_id": "t1", "content": "a.py"}
+    assert chat["tools"] == [{"type": "function", "function": {"name": "bash", "description": "run",
+                                                               "parameters": {"type": "object"}}}]
+
+
+def test_inline_system_messages_are_merged_only_where_the_template_refuses_them():
+    body = {"system": "S.", "messages": [{"role": "user", "content": "q"}, {"role": "system", "content": " R."},
+                                         {"role": "user", "content": "q2"}]}
+    assert [m["role"] for m in messages_prompt(body)["messages"]] == ["system", "user", "system", "user"]
+    merged = messages_prompt(body, merge_inline_system=True)["messages"]
+    assert merged[0] == {"role": "system", "content": "S. R."} and len(merged) == 3
+    first_only = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+                  "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+                  "{{ m.content }}{% endfor %}")
+    assert merges_inline_system(first_only) is True
+    assert merges_inline_system(CHAT_TEMPLATE) is False  # the tiny model's takes a system message anywhere
+    assert merges_inline_system(None) is True
+
+
+# -- answers ----------------------------------------------------------------------------------
+
+def _responses_stream(rid: str, usage: dict, text: str = "hi") -> bytes:
+    response = {"id": rid, "object": "response", "status": "completed", "usage": usage,
+                "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}]}
+    events = [("response.created", {"response": {**response, "status": "in_progress", "usage": None, "output": []},
+                                    "type": "response.created"}),
+              ("response.output_text.delta", {"delta": text, "type": "response.output_text.delta"}),
+              ("response.completed", {"response": response, "type": "response.completed"})]
+    return b"".join(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode() for name, data in events)
+
+
+def _messages_stream(usage: dict, text: str = "hi") -> bytes:
+    events = [("message_start", {"type": "message_start", "message": {
+                  "id": "m1", "usage": {"input_tokens": usage["input_tokens"] + usage["cache_read_input_tokens"],
+                                        "output_tokens": 0}}}),
+              ("content_block_delta", {"type": "content_block_delta", "delta": {"type": "text_delta", "text": text}}),
+              ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": usage}),
+              ("message_stop", {"type": "message_stop"})]
+    return b"".join(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode() for name, data in events)
+
+
+USAGE = {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 64}, "output_tokens": 3}
+ANTHROPIC_USAGE = {"input_tokens": 36, "output_tokens": 3, "cache_creation_input_tokens": 0,
+                   "cache_read_input_tokens": 64}
+
+
+@pytest.mark.parametrize("cut", [1, 7, 64, 10_000])
+def test_events_pass_a_stream_unchanged_and_read_it_however_it_is_cut(cut):
+    for stream, path in ((_responses_stream("resp_1", USAGE), RESPONSES), (_messages_stream(ANTHROPIC_USAGE), MESSAGES)):
+        events = Events(path)
+        out = b"".join(events.feed(stream[i:i + cut]) for i in range(0, len(stream), cut)) + events.flush()
+        assert out == stream and events.saw_data
+        assert chat_usage(path, events.usage) == {"prompt_tokens": 100, "completion_tokens": 3,
+                                                  "prompt_tokens_details": {"cached_tokens": 64}}
+        if path == RESPONSES:
+            assert events.response_id == "resp_1" and events.response["output"][0]["content"][0]["text"] == "hi"
+
+
+def test_the_first_token_is_the_first_delta_event_not_the_first_event():
+    events = Events(RESPONSES)
+    events.feed(_responses_stream("resp_2", USAGE).split(b"event: response.output_text.delta")[0])
+    assert not events.saw_data and events.response_id == "resp_2"
+
+
+def test_response_histories_are_bounded_by_their_characters_and_their_ids_outlive_them():
+    homes = ResponseHomes(capacity=10, history_chars=1_000)
+    turn = [{"role": "user", "content": "x" * 300}]  # charged 400 characters
+    homes.remember("r1", "a", turn)
+    homes.remember("r2", "b", turn)
+    homes.remember("r3", "a", turn)  # over the budget: the oldest history goes, its home stays
+    assert homes.history("r1") is None and homes.home("r1") == "a"
+    assert homes.history("r3") == turn and homes.history("r2") == turn
+    homes.remember("big", "b", [{"role": "user", "content": "x" * 2_000}])  # larger than the budget: not kept
+    assert homes.history("big") is None and homes.history("r3") == turn
+    for i in range(10):
+        homes.remember(f"n{i}", "a")
+    assert homes.home("r3") is None and homes.history("r3") is None  # an id dropped takes its history along
+
+
+# -- the gateway ------------------------------------------------------------------------------
+
+_ids = itertools.count()
+SEEN = web.AppKey("seen", list)  # the bodies of the generation requests a replica got
+
+
+def replica_app() -> web.Application:
+    """A replica answering vLLM's probes, /v1/responses (stored, streamed or not) and /v1/messages,
+    each answer reporting that 64 of its 100 prompt tokens were cached."""
+    app = web.Application()
+    app[SEEN] = []
+    store: set[str] = set()
+
+    async def ok(_):
+        return web.Response(text="")
+
+    async def models(_):
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def stream(request, data: bytes) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(data)
+        await resp.write_eof()
+        return resp
+
+    async def responses(request):
+        body = await request.json()
+        app[SEEN].append(body)
+        previous = body.get("previous_response_id")
+        if previous is not None and previous not in store:
+            return web.json_response({"error": {"message": f"Response with id '{previous}' not found.",
+                                                "code": 404}}, status=404)
+        rid = f"resp_{next(_ids)}"
+        store.add(rid)
+        if body.get("stream"):
+            return await stream(request, _responses_stream(rid, USAGE, text=f"answer {rid}"))
+        return web.json_response({"id": rid, "object": "response", "status": "completed", "usage": USAGE, "output": [
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"answer {rid}"}]}]})
+
+    async def messages(request):
+        body = await request.json()
+        app[SEEN].append(body)
+        if body.get("stream"):
+            return await stream(request, _messages_stream(ANTHROPIC_USAGE))
+        return web.json_response({"id": "m", "type": "message", "content": [{"type": "text", "text": "hi"}],
+                                  "usage": ANTHROPIC_USAGE})
+
+    for path, handler in (("/health", ok), ("/metrics", ok), ("/v1/models", models)):
+        app.router.add_get(path, handler)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/messages", messages)
+    return app
+
+
+def _response_id(data: bytes) -> str:
+    """The id of a Responses answer, one body or a stream."""
+    if not data.startswith(b"event:"):
+        return json.loads(data)["id"]
+    return next(json.loads(line[6:])["response"]["id"] for line in data.splitlines() if line.startswith(b"data: {"))
+
+
+async def start(aiohttp_server, aiohttp_client, n: int = 2):
+    apps = [replica_app() for _ in range(n)]
+    servers = [await aiohttp_server(app) for app in apps]
+    data = {"replicas": [str(s.make_url("")).rstrip("/") for s in servers], "health": {"interval_s": 0.2},
+            "scrape": {"interval_s": 0.2}}
+    client = await aiohttp_client(create_app(config_from_dict(data), ByteTokenizer()))
+    return apps, client, client.server.app[GATEWAY]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_responses_chain_is_routed_home_with_its_history_and_counted(aiohttp_server, aiohttp_client, stream):
+    apps, client, gw = await start(aiohttp_server, aiohttp_client)
+    rids, homes = [], []
+    for turn in range(3):
+        body = {"model": MODEL, "instructions": "Be brief.", "input": f"question {turn}", "stream": stream}
+        if rids:
+            body["previous_response_id"] = rids[-1]
+        resp = await client.post("/v1/responses", json=body)
+        assert resp.status == 200
+        rids.append(_response_id(await resp.read()))
+        homes.append(resp.headers[REPLICA_HEADER])
+        assert gw.response_homes.home(rids[-1]) == homes[-1]
+    assert len(set(homes)) == 1
+    history = [m["content"] for m in gw.response_homes.history(rids[-1])]
+    # what vLLM renders next: the instructions, then every turn and every answer
+    assert history == ["Be brief.", *(text for i, rid in enumerate(rids) for text in (f"question {i}", f"answer {rid}"))]
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "prefix_router_cached_tokens_total", replica=homes[0]) == 3 * 64
+    assert metric(page, "prefix_router_prompt_tokens_total", replica=homes[0]) == 3 * 100
+    assert metric(page, "prefix_router_cache_requests_total") == 3
+
+
+async def test_a_chain_whose_replica_is_down_gets_a_503_naming_previous_response_id(aiohttp_server, aiohttp_client):
+    apps, client, gw = await start(aiohttp_server, aiohttp_client)
+    resp = await client.post("/v1/responses", json={"model": MODEL, "input": "q"})
+    rid, home = (await resp.json())["id"], resp.headers[REPLICA_HEADER]
+    gw.replicas[home].healthy = False
+    chained = await client.post("/v1/responses", json={"model": MODEL, "input": "q2", "previous_response_id": rid})
+    assert chained.status == 503
+    error = (await chained.json())["error"]
+    assert error["param"] == "previous_response_id" and home in error["message"]
+    assert sum(len(app[SEEN]) for app in apps) == 1  # not sent to a replica that would answer 404
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_messages_are_relayed_unchanged_and_their_usage_counted(aiohttp_server, aiohttp_client, stream):
+    apps, client, gw = await start(aiohttp_server, aiohttp_client, n=1)
+    body = {"model": MODEL, "max_tokens": 8, "system": "S", "stream": stream,
+            "messages": [{"role": "user", "content": "hello"}], "metadata": {"user_id": "session-7"}}
+    resp = await client.post("/v1/messages", json=body)
+    assert resp.status == 200
+    data = await resp.read()
+    assert data == _messages_stream(ANTHROPIC_USAGE) if stream else json.loads(data)["usage"] == ANTHROPIC_USAGE
+    assert apps[0][SEEN] == [body]  # forwarded as sent: no stream_options added
+    assert gw.conversations.get("user:session-7") is not None  # metadata.user_id names the session
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "prefix_router_cached_tokens_total") == 64
+    assert metric(page, "prefix_router_prompt_tokens_total") == 100
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/responses", {"model": MODEL, "input": 5}, "input"),
+    ("/v1/responses", {"model": MODEL, "input": ["x"]}, "input"),
+    ("/v1/responses", {"model": MODEL, "input": "x", "instructions": ["a"]}, "instructions"),
+    ("/v1/messages", {"model": MODEL, "messages": []}, "messages"),
+    ("/v1/messages", {"model": MODEL, "messages": [{"content": "x"}]}, "messages"),
+    ("/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "system": 3}, "system"),
+])
+async def test_a_body_vllm_would_refuse_gets_an_openai_400_without_a_hop(aiohttp_server, aiohttp_client, path, body,
+                                                                         param):
+    apps, client, _ = await start(aiohttp_server, aiohttp_client, n=1)
+    resp = await client.post(path, json=body)
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == param
+    assert apps[0][SEEN] == []
+
+
+# -- what a hostile or sloppy client (or replica) sends ----------------------------------------
+
+async def test_a_chain_without_history_is_passed_through_with_the_tenants_salt(aiohttp_server, aiohttp_client):
+    app = replica_app()
+    server = await aiohttp_server(app)
+    data = {"replicas": [str(server.make_url("")).rstrip("/")], "health": {"interval_s": 0.2},
+            "scrape": {"interval_s": 0.2}, "auth": {"tenants": [{"name": "acme", "keys": ["key-of-acme"]}]}}
+    client = await aiohttp_client(create_app(config_from_dict(data), ByteTokenizer()))
+    key = {"Authorization": "Bearer key-of-acme"}
+    first = await client.post("/v1/responses", json={"model": MODEL, "input": "q", "store": False}, headers=key)
+    rid = (await first.json())["id"]  # not stored: the gateway keeps its home, no history
+    body = {"model": MODEL, "input": "q2", "previous_response_id": rid, "cache_salt": "someone-else",
+            "vllm_xargs": {"kv_cache_report_mode": "full", "x": 1}, "seed": 12345678901234567890123}
+    chained = await client.post("/v1/responses", json=body, headers=key)
+    assert chained.status == 200
+    sent = app[SEEN][-1]
+    assert sent["cache_salt"] != "someone-else" and sent["cache_salt"] == app[SEEN][0]["cache_salt"]
+    assert sent["vllm_xargs"] == {"x": 1}
+    assert sent["seed"] == 12345678901234567890123  # exact: re-encoded from the client's bytes
+
+
+def cutting_replica(path: str) -> web.Application:
+    """A replica whose stream stops in the middle of an event (its process died)."""
+    app = web.Application()
+
+    async def ok(_):
+        return web.Response(text="")
+
+    async def generate(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        whole = _responses_stream("resp_cut", USAGE) if path == RESPONSES else _messages_stream(ANTHROPIC_USAGE)
+        first = whole.index(b"\n\n") + 2
+        await resp.write(whole[:first])  # one whole event: the client's stream has begun
+        await asyncio.sleep(0.05)
+        await resp.write(whole[first:first + 25])  # then half a line
+        await asyncio.sleep(0.05)
+        request.transport.abort()
+        return resp
+
+    app.router.add_get("/health", ok)
+    app.router.add_get("/metrics", ok)
+    app.router.add_post(path, generate)
+    return app
+
+
+@pytest.mark.parametrize("path", [RESPONSES, MESSAGES])
+async def test_a_stream_cut_mid_event_ends_with_the_apis_own_error_event_on_a_line_of_its_own(
+        aiohttp_server, aiohttp_client, path):
+    server = await aiohttp_server(cutting_replica(path))
+    data = {"replicas": [str(server.make_url("")).rstrip("/")], "health": {"interval_s": 0.2}}
+    client = await aiohttp_client(create_app(config_from_dict(data), ByteTokenizer()))
+    body = ({"model": MODEL, "input": "q", "stream": True} if path == RESPONSES else
+            {"model": MODEL, "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": "q"}]})
+    resp = await client.post(path, json=body)
+    text = (await resp.read()).decode()
+    events = text.split("\n\n")
+    assert events[-1] == "" and events[-2].startswith("event: error\ndata: {"), text[-300:]
+    error = json.loads(events[-2].split("data: ", 1)[1])
+    assert error["type"] == "error" and "stopped streaming" in json.dumps(error)
+    for event in events[:-2]:  # every event before it whole
+        for line in event.split("\n"):
+            assert line.startswith(("event: ", "data: {")) and (not line.startswith("data: ") or json.loads(line[6:]))
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": [{"type": "image", "source": "http://x/y.png"}]}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "thinking", "thinking": 5}]}],
+    [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": 5}]}]}],
+    [{"role": "system", "content": 5}, {"role": "user", "content": "q"}],
+    [{"role": "user", "content": "q", "extra": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}],
+], ids=["image-source-string", "thinking-number", "tool-result-number", "system-number", "nested"])
+async def test_odd_content_blocks_are_the_replicas_to_judge(aiohttp_server, aiohttp_client, messages):
+    apps, client, _ = await start(aiohttp_server, aiohttp_client, n=1)
+    body = {"model": MODEL, "max_tokens": 4, "messages": messages}
+    resp = await client.post("/v1/messages", json=body)
+    assert resp.status == 200 and apps[0][SEEN] == [body]
+
+
+async def test_a_body_nested_deeper_than_python_walks_gets_a_400(aiohttp_server, aiohttp_client):
+    apps, client, _ = await start(aiohttp_server, aiohttp_client, n=1)
+    deep = "[" * 990 + "]" * 990  # orjson reads it; Python's json and the templates cannot
+    raw = f'{{"model": "{MODEL}", "input": [{{"role": "user", "content": "x", "extra": {deep}}}]}}'
+    resp = await client.post("/v1/responses", data=raw, headers={"Content-Type": "application/json"})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "body"
+    assert apps[0][SEEN] == []
+
+
+async def test_odd_usage_from_a_replica_is_counted_as_nothing(aiohttp_server, aiohttp_client):
+    app = web.Application()
+
+    async def ok(_):
+        return web.Response(text="")
+
+    async def answer(_):
+        return web.json_response({"id": "r", "status": "completed", "output": 5,
+                                  "usage": {"input_tokens": "abc", "output_tokens": -3}})
+
+    app.router.add_get("/health", ok)
+    app.router.add_get("/metrics", ok)
+    app.router.add_post("/v1/responses", answer)
+    server = await aiohttp_server(app)
+    data = {"replicas": [str(server.make_url("")).rstrip("/")], "health": {"interval_s": 0.2}}
+    client = await aiohttp_client(create_app(config_from_dict(data), ByteTokenizer()))
+    resp = await client.post("/v1/responses", json={"model": MODEL, "input": "q", "model_extra": 1})
+    assert resp.status == 200
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "prefix_router_prompt_tokens_total") == 0
+    assert metric(page, "prefix_router_requests_total", code="200") == 1
