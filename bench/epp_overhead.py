@@ -3,7 +3,8 @@
 One simulated replica 10,000x faster than modelled time; ~N-token streaming chats at fixed
 rates (``bench/gateway_overhead.py``), straight to the replica (the baseline), through
 ``prefix-router serve``, and through a real Envoy asking ``prefix-router epp`` (ext_proc,
-``launch.ENVOY_CONFIG``). Per request: the TTFT added over the baseline (p50, p99) and the CPU
+``launch.ENVOY_CONFIG``) in each of the filter's body modes (``launch.PROCESSING_MODES``:
+plain Envoy's buffered request and streamed answer, and Istio's full duplex). Per request: the TTFT added over the baseline (p50, p99) and the CPU
 milliseconds of the processes on the path, from ``/proc/PID/stat``: the gateway's for
 ``serve``; the picker's and Envoy's (the proxy the picker's users run anyway) for the EPP. The
 systems alternate within every rate and repetition, so the machine's noise falls on both.
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="seconds of load per cell")
     parser.add_argument("--tokens", type=int, default=1000, help="prompt size of the chats")
     parser.add_argument("--reps", type=int, default=2, help="repetitions of every cell")
+    parser.add_argument("--modes", default="buffered,duplex", help="the ext_proc filter's body modes to run")
     parser.add_argument("--envoy", default=shutil.which("envoy") or str(Path(sys.executable).with_name("envoy")))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "epp-overhead.md")
     args = parser.parse_args(argv)
@@ -66,12 +68,13 @@ def main(argv: list[str] | None = None) -> int:
                 with running([serve]) as (url,):
                     series, (cpu,) = _run(url, [serve.pid], requests, rate)
                 rows = {"serve": (series, cpu, 0.0)}
-                epp, grpc_port = epp_server(log_dir, [replica], gateway_args)
-                with running([epp]):
-                    envoy = envoy_server(log_dir, grpc_port, args.envoy)
-                    with running([envoy]) as (url,):
-                        series, (picker, proxy) = _run(url, [epp.pid, envoy.pid], requests, rate)
-                rows["epp + envoy"] = (series, picker, proxy)
+                for mode in args.modes.split(","):
+                    epp, grpc_port = epp_server(log_dir, [replica], gateway_args)
+                    with running([epp]):
+                        envoy = envoy_server(log_dir, grpc_port, args.envoy, mode=mode)
+                        with running([envoy]) as (url,):
+                            series, (picker, proxy) = _run(url, [epp.pid, envoy.pid], requests, rate)
+                    rows[f"epp + envoy, {mode}"] = (series, picker, proxy)
                 for name, (series, cpu, proxy) in rows.items():
                     n = len(series)
                     row = (1000 * cpu / n, 1000 * proxy / n, _ms(series, 50) - _ms(direct, 50),

@@ -86,7 +86,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     _gateway_arguments(p)
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="gateway processes sharing the port (the workers setting; default 1)")
-    p.set_defaults(func=_run_serve, grpc_port=None)
+    p.set_defaults(func=_run_serve, grpc_port=None, fallbacks=0)
 
 
 def _add_epp(sub: argparse._SubParsersAction) -> None:
@@ -97,6 +97,10 @@ def _add_epp(sub: argparse._SubParsersAction) -> None:
                                    "serves /metrics, /replicas, /debug/changes and the proxy itself.")
     _gateway_arguments(p)
     p.add_argument("--grpc-port", type=int, default=9002, help="the ext_proc gRPC port (default: %(default)s)")
+    p.add_argument("--fallbacks", type=int, default=0, metavar="N",
+                   help="name N more endpoints after the chosen one in x-gateway-destination-endpoint, for "
+                        "gateways that try them in order when it fails (Envoy's original-destination "
+                        "cluster takes one address: default %(default)s)")
     p.set_defaults(func=_run_serve, workers=None)
 
 
@@ -173,7 +177,9 @@ def _run_serve(args: argparse.Namespace) -> int:
             except ImportError as exc:
                 raise ConfigError(f"the endpoint picker needs grpcio and Envoy's protos ({exc.name} is missing): "
                                   "pip install 'prefix-router[epp]'") from None
-            app.cleanup_ctx.append(serve_grpc(args.grpc_port, config.host))
+            if args.fallbacks < 0:
+                raise ConfigError("--fallbacks: a number of endpoints, 0 or more")
+            app.cleanup_ctx.append(serve_grpc(args.grpc_port, config.host, args.fallbacks))
     except (ConfigError, OSError) as exc:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
         return 2

