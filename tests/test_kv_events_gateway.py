@@ -165,7 +165,8 @@ async def test_four_gateways_following_the_events_reuse_within_a_point_of_one(fl
     print(f"token hit rate: one gateway {one:.3f}; four behind a round-robin client {four:.3f} with events, "
           f"{four_guessing:.3f} without")
     assert one > 0.5
-    # Measured, with three busy loops beside the test: 0.697 against 0.695-0.697; without events
-    # 7-13 points behind.
+    # Measured, with three busy loops beside the test: 0.697 against 0.695-0.697. Without events
+    # the four guess, and how well varies from run to run: 1.3 to 13 points behind (0.685 on a
+    # clean-clone CI run, 0.592-0.636 in three runs on a busy machine), never ahead.
     assert abs(one - four) <= 0.01, (one, four, four_guessing)
-    assert four - four_guessing >= 0.03, (one, four, four_guessing)
+    assert four - four_guessing >= 0.005, (one, four, four_guessing)
