@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         med = [statistics.median(r[i] for r in rows) for i in range(4)]
         proxy = "-" if name == "serve" else f"{med[1]:.2f}"
         lines.append(f"| {rate:g}/s | {name} | {med[0]:.2f} | {proxy} | {med[2]:.1f} / {med[3]:.1f} |")
+    lines += ["", f"Command: `python -m bench.epp_overhead {' '.join(sys.argv[1:] if argv is None else argv)}`"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
