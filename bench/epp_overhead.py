@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in args.modes.split(","):
                     epp, grpc_port = epp_server(log_dir, [replica], gateway_args)
                     with running([epp]):
-                        envoy = envoy_server(log_dir, grpc_port, args.envoy, mode=mode)
+                        envoy = envoy_server(log_dir, grpc_port, args.envoy, mode=mode, replicas=[replica])
                         with running([envoy]) as (url,):
                             series, (picker, proxy) = _run(url, [epp.pid, envoy.pid], requests, rate)
                     rows[f"epp + envoy, {mode}"] = (series, picker, proxy)

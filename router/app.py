@@ -70,22 +70,27 @@ def _forbidden(request: web.Request) -> web.Response:
     return openai_error(403, "this view needs an admin key; the key given is not one", type_="PermissionDeniedError")
 
 
-def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None) -> web.Application:
-    """Build the gateway application; nothing runs until the app starts."""
+def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None, proxy: bool = True) -> web.Application:
+    """Build the gateway application; nothing runs until the app starts. ``proxy`` False: the
+    operator's endpoints only (``/health``, ``/ready``, ``/metrics``, ``/replicas``,
+    ``/debug/changes``), for the Endpoint Picker, whose HTTP port must be no way around the
+    gateway in front of it."""
     app = web.Application(client_max_size=config.limits.max_body_bytes, middlewares=[_openai_errors])
     app[GATEWAY] = Gateway(config, tokenizer)
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_draining)
-    app.router.add_post("/v1/chat/completions", _chat)
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_post(RESPONSES, _responses)
-    app.router.add_post(MESSAGES, _messages)
-    app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/replicas", _replicas)
     app.router.add_get("/debug/changes", _changes)
+    if not proxy:
+        return app
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post(RESPONSES, _responses)
+    app.router.add_post(MESSAGES, _messages)
+    app.router.add_get("/v1/models", _models)
     app.router.add_route("*", "/{tail:.*}", _passthrough)  # every other path vLLM serves: passthrough.py
     return app
 

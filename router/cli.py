@@ -94,7 +94,8 @@ def _add_epp(sub: argparse._SubParsersAction) -> None:
                        description="Envoy external processor following the Gateway API Inference Extension's "
                                    "Endpoint Picker protocol: the same routing, metrics and miss accounting "
                                    "as serve, without a second proxy hop (router/epp.py). The HTTP port "
-                                   "serves /metrics, /replicas, /debug/changes and the proxy itself.")
+                                   "serves /metrics, /replicas, /debug/changes, /health and /ready; requests "
+                                   "go through the gateway that asks the picker, never through the picker.")
     _gateway_arguments(p)
     p.add_argument("--grpc-port", type=int, default=9002, help="the ext_proc gRPC port (default: %(default)s)")
     p.add_argument("--fallbacks", type=int, default=0, metavar="N",
@@ -168,18 +169,18 @@ def _run_serve(args: argparse.Namespace) -> int:
             print(f"prefix-router serve: {problem}", file=sys.stderr)
             return 1
         tokenizer = HFTokenizer(config.tokenizer) if config.tokenizer else None
-        app = create_app(config, tokenizer)
+        app = create_app(config, tokenizer, proxy=args.grpc_port is None)
         if args.grpc_port is not None:
             if config.workers > 1:
                 raise ConfigError("workers: the endpoint picker runs in one process")
             try:
-                from .epp import serve_grpc
+                from .epp import add_picker
             except ImportError as exc:
                 raise ConfigError(f"the endpoint picker needs grpcio and Envoy's protos ({exc.name} is missing): "
                                   "pip install 'prefix-router[epp]'") from None
             if args.fallbacks < 0:
                 raise ConfigError("--fallbacks: a number of endpoints, 0 or more")
-            app.cleanup_ctx.append(serve_grpc(args.grpc_port, config.host, args.fallbacks))
+            add_picker(app, args.grpc_port, config.host, args.fallbacks)
     except (ConfigError, OSError) as exc:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
         return 2

