@@ -46,7 +46,9 @@ _MONITOR = {
 # Inference Extension's inference.networking.k8s.io/v1 InferencePool
 # (kubernetes-sigs/gateway-api-inference-extension,
 # config/crd/bases/inference.networking.k8s.io_inferencepools.yaml, with its rule that a Service
-# needs a port) that these manifests use, with the CRDs' types, enums and patterns.
+# needs a port) that these manifests use, with the CRDs' types, enums and patterns, as of
+# gateway-api 4564255 and gateway-api-inference-extension 84436a9 (both after the releases the
+# README installs; the manifests use only fields InferencePool v1 had from its first release).
 _NAME = {"type": "string", "minLength": 1, "maxLength": 253}
 _GROUP = {"type": "string", "maxLength": 253, "pattern": r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"}
 _KIND = {"type": "string", "minLength": 1, "maxLength": 63, "pattern": "^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$"}
