@@ -242,7 +242,13 @@ async def test_a_replica_killed_mid_run_fails_no_request_that_had_not_started_st
             return resp.status, resp.headers.get(REPLICA_HEADER), raw
 
         tasks = [asyncio.create_task(one(i)) for i in range(60)]
-        await asyncio.sleep(0.3)
+        # kill it once streams run on it (a fixed wait missed them on a busy machine)
+        victim_state = client.server.app[GATEWAY].replicas[replica_name(urls[2])]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while victim_state.inflight < 3 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # their first chunks are out
         victim.send_signal(signal.SIGKILL)
         results = await asyncio.gather(*tasks)
     finally:
