@@ -146,6 +146,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from .tokenizer import HFTokenizer
     from .workers import port_problem, supervise, worker_index
 
+    name = "prefix-router serve" if args.grpc_port is None else "prefix-router epp"
     overrides: dict = {}
     for key in ("host", "port", "tokenizer", "request_log", "request_log_bodies", "workers"):
         if getattr(args, key) is not None:
@@ -165,8 +166,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         if config.workers > 1 and worker is None:
             return supervise(sys.argv[1:], config.workers, config.drain_s, config.host, config.port)
         problem = port_problem(config.host, config.port) if worker is None else None
+        if problem is None and args.grpc_port is not None:
+            problem = port_problem(config.host, args.grpc_port)
         if problem:  # before the replicas are checked, so the error is the one line printed
-            print(f"prefix-router serve: {problem}", file=sys.stderr)
+            print(f"{name}: {problem}", file=sys.stderr)
             return 1
         tokenizer = HFTokenizer(config.tokenizer) if config.tokenizer else None
         app = create_app(config, tokenizer, proxy=args.grpc_port is None)
@@ -182,7 +185,7 @@ def _run_serve(args: argparse.Namespace) -> int:
                 raise ConfigError("--fallbacks: a number of endpoints, 0 or more")
             add_picker(app, args.grpc_port, config.host, args.fallbacks)
     except (ConfigError, OSError) as exc:
-        print(f"prefix-router serve: {exc}", file=sys.stderr)
+        print(f"{name}: {exc}", file=sys.stderr)
         return 2
     # SIGTERM (and Ctrl-C): stop accepting, give in-flight requests drain_s, then exit 0
     # backlog: aiohttp's default of 128 pending connections resets clients in a burst of new
@@ -191,13 +194,15 @@ def _run_serve(args: argparse.Namespace) -> int:
         web.run_app(app, host=config.host, port=config.port, access_log=None, handler_cancellation=True,
                     shutdown_timeout=config.drain_s, backlog=4096, loop=_event_loop(), reuse_port=worker is not None,
                     print=lambda *_: worker or print(
-                        f"prefix-router gateway on http://{config.host}:{config.port} ({config.routing.policy}, "
+                        (f"prefix-router endpoint picker: gRPC (Envoy ext_proc) on {config.host}:{args.grpc_port}, "
+                         f"metrics and views" if args.grpc_port is not None else "prefix-router gateway")
+                        + f" on http://{config.host}:{config.port} ({config.routing.policy}, "
                         f"{len(config.replicas)} replica{'' if len(config.replicas) == 1 else 's'}"
                         + (f", discovering {config.discovery.dns}" if config.discovery.dns else "")
                         + (f", {config.workers} workers" if worker is not None else "") + ")", flush=True))
     except OSError as exc:  # the port taken, an address this machine does not have
-        print(f"prefix-router serve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
-              file=sys.stderr)
+        where = f"cannot listen on {config.host}:{config.port}: {exc.strerror}" if exc.errno else str(exc)
+        print(f"{name}: {where}", file=sys.stderr)
         return 1
     return 0
 

@@ -368,8 +368,12 @@ def add_picker(app: web.Application, port: int, host: str = "0.0.0.0", fallbacks
         pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
         checker = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-        if server.add_insecure_port(f"{host}:{port}") == 0:
-            raise OSError(f"cannot listen on {host}:{port} for gRPC")
+        try:  # grpcio raises where older releases returned 0
+            bound = server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:
+            bound = 0
+        if bound == 0:
+            raise OSError(f"cannot listen on {host}:{port} for gRPC: the port is taken, or the address is not this machine's")
         for service in (LIVENESS, *READINESS):
             await checker.set(service, health_pb2.HealthCheckResponse.SERVING)
         await server.start()

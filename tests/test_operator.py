@@ -50,16 +50,21 @@ def test_a_tokenizer_that_cannot_load_is_one_line_naming_the_path(tmp_path, fold
     assert out.stderr.strip().splitlines() == [f"prefix-router serve: {message}"]
 
 
-def test_a_taken_port_is_the_one_line_printed():
+@pytest.mark.parametrize("command", ["serve", "epp", "epp --grpc-port"])
+def test_a_taken_port_is_the_one_line_printed(command):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = subprocess.run(CLI + ["serve", "--replica", "http://127.0.0.1:9", "--host", "127.0.0.1", "--port",
-                                    str(port)], capture_output=True, text=True, timeout=60)
+        name, *grpc = command.split()
+        ports = ["--port", str(free_port()), "--grpc-port", str(port)] if grpc else ["--port", str(port)]
+        if name == "epp" and not grpc:
+            ports += ["--grpc-port", str(free_port())]
+        out = subprocess.run(CLI + [name, "--replica", "http://127.0.0.1:9", "--host", "127.0.0.1", *ports],
+                             capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"prefix-router serve: cannot listen on 127.0.0.1:{port}: "), lines
+    assert len(lines) == 1 and lines[0].startswith(f"prefix-router {name}: cannot listen on 127.0.0.1:{port}: "), lines
 
 
 def test_log_options_work_after_the_command_and_json_lines_name_level_logger_and_message():

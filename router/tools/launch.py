@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -51,6 +53,7 @@ class Server:
     startup_s: float = 60.0  # how long /health may take to answer 200
     cwd: Path | None = None
     health_path: str = "/health"  # answers 200 once the server is up (Prometheus: /-/ready)
+    tmpdir: bool = False  # a temporary folder of its own as TMPDIR, removed when it stops
     pid: int | None = field(default=None, init=False)  # set by ``running`` while it runs
 
     @property
@@ -92,12 +95,17 @@ def running(servers: Sequence[Server]) -> Iterator[list[str]]:
     Raises ``RuntimeError`` with the tail of the log when one exits or is not healthy in time.
     """
     procs: list[subprocess.Popen] = []
+    tmpdirs: list[str] = []
     try:
         for s in servers:
             s.log.parent.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, **s.env}
+            if s.tmpdir:  # short (a Unix socket's path is at most 107 bytes), and gone afterwards
+                tmpdirs.append(tempfile.mkdtemp(prefix="prefix-router-"))
+                env["TMPDIR"] = tmpdirs[-1]
             with open(s.log, "w") as out:
                 procs.append(subprocess.Popen(s.cmd, stdout=out, stderr=subprocess.STDOUT, cwd=s.cwd,
-                                              env={**os.environ, **s.env}, start_new_session=True))
+                                              env=env, start_new_session=True))
             s.pid = procs[-1].pid
         started = time.monotonic()
         for s, p in zip(servers, procs):
@@ -105,6 +113,8 @@ def running(servers: Sequence[Server]) -> Iterator[list[str]]:
         yield [s.url for s in servers]
     finally:
         _stop(procs)
+        for folder in tmpdirs:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def sim_server(log_dir: Path, args: Sequence[str] = ()) -> Server:
@@ -307,7 +317,8 @@ def vllm_server(log_dir: Path, python: Path, model: Path, *, served_name: str, b
     if num_blocks is not None:
         cmd += ["--kv-cache-memory-bytes", str(num_blocks * block_size * kv_bytes_per_token)]
     env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-    return Server(cmd, port, log_dir / f"vllm-{port}.log", env=env, startup_s=300.0)
+    # TMPDIR of its own: vLLM leaves ZeroMQ sockets and vllm_dist_* files in it
+    return Server(cmd, port, log_dir / f"vllm-{port}.log", env=env, startup_s=300.0, tmpdir=True)
 
 
 def find_vllm_python(explicit: str | os.PathLike | None = None) -> Path | None:

