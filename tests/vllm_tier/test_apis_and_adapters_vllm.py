@@ -143,6 +143,7 @@ def test_the_gateway_renders_responses_and_messages_as_vllm_does(engines):
             engine, _ = _post(engines[0] + path, body)
             if chat_tokens(prompt(body), tokenizer) != engine["token_ids"]:
                 differ.append((path, i))
+    print(f"render parity: {len(RESPONSES)} Responses and {len(MESSAGES)} Messages bodies, {len(differ)} differ")
     assert not differ, differ
 
 
@@ -173,6 +174,9 @@ def test_responses_chained_by_previous_response_id_reuse_history_on_the_replica_
         chained, headers = _post(url + "/v1/responses", {  # instructions do not carry over: sent again
             "model": "tiny", "input": "and then?", "instructions": INSTRUCTIONS, "max_output_tokens": 4,
             "previous_response_id": answer["id"]})
+    print("Responses chain, cached / prompt tokens a turn:",
+          ", ".join(f"{line['cached_tokens']}/{line['prompt_tokens']}" for line in lines),
+          f"on {homes[0]}; a chain made on the other replica: {chained['usage']['input_tokens_details']['cached_tokens']} cached there")
     assert len(set(homes)) == 1, homes  # each turn on the replica holding the one before
     assert other.endswith(headers[REPLICA_HEADER])
     assert chained["usage"]["input_tokens_details"]["cached_tokens"] > 0
@@ -204,6 +208,7 @@ def test_a_timestamp_in_the_instructions_or_the_system_prompt_is_named_volatile_
             _post(url + "/v1/messages", {"model": "tiny", "max_tokens": 4, "temperature": 0, "system": INSTRUCTIONS,
                                          "messages": steady, "stream": turn == 1})
             steady.append({"role": "assistant", "content": f"step {turn} done"})
+    print("timestamped then steady turns:", ", ".join(f"{line['result']}/{line.get('cause') or '-'}" for line in lines))
     assert len(lines) == 9, lines
     for line in lines[1:3] + lines[4:6]:
         assert line["result"] == "miss_changed" and line["cause"] == "volatile_value", line
@@ -238,6 +243,8 @@ def test_a_lora_adapter_loaded_on_one_replica_is_routed_there_with_a_cache_of_it
                                          {"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as gone:
             urllib.request.urlopen(request, timeout=60)
+    print(f"adapter turns on {sorted(set(served))} (loaded on {target}); cached / predicted:",
+          ", ".join(f"{line['cached_tokens']}/{line['predicted_cached_tokens']}" for line in lines))
     assert all(target.endswith(name) for name in served), (target, served)
     assert listed == {"tiny", "tiny-lora"}
     assert gone.value.code == 404 and "tiny-lora" in json.loads(gone.value.read())["error"]["message"]
