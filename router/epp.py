@@ -153,11 +153,12 @@ class _Exchange:
         self.passing = self.duplex and not message.end_of_stream
         return [self._to(routable[0].name, headers=True)]
 
-    def _to(self, endpoint: str, headers: bool = False, body: bytes | None = None) -> pb.ProcessingResponse:
-        """The answer that sends the request to ``endpoint`` with no more said of it: as the
-        headers' answer or the buffered body's."""
+    def _to(self, endpoint: str, headers: bool = False, body: bytes | None = None,
+            skip_bodies: bool = True) -> pb.ProcessingResponse:
+        """The answer that sends the request to ``endpoint``: as the headers' answer or the
+        buffered body's; ``skip_bodies``: no more is said of it (the answer is not read)."""
         common = _pick(self.gw, endpoint, body, self.duplex)
-        mode = None if self.duplex else SKIP_BODIES  # duplex: Istio allows no mode override
+        mode = SKIP_BODIES if skip_bodies and not self.duplex else None  # duplex: Istio allows no mode override
         if headers or self.duplex:
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
                                          dynamic_metadata=metadata(endpoint), mode_override=mode)
@@ -208,11 +209,7 @@ class _Exchange:
         self.events = Events(inbound.path) if dialect and inbound.stream else (
             UsageFilter(keep_usage=inbound.client_wants_usage) if inbound.stream else None)
         endpoint = ",".join([replica.name, *self.fallbacks_of(self.decision)])
-        common = _pick(self.gw, endpoint, body, self.duplex)
-        if self.duplex:
-            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
-                                          dynamic_metadata=metadata(endpoint)), *self._body_back(body or raw, end)]
-        return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata(endpoint))]
+        return [self._to(endpoint, body=body, skip_bodies=False), *self._body_back(body or raw, end)]
 
     def _body_back(self, body: bytes, end: bool) -> Answers:
         """Duplex mode: the request body Envoy is waiting for, streamed back."""
