@@ -228,8 +228,9 @@ async def test_every_metric_of_a_forgotten_replica_is_gone_after_real_traffic(fl
 # and without, and 6.4 once on the CI box, where a slower machine holds more requests in flight and
 # each instance's load bound, which counts only its own, spills more; with the earlier
 # sticky-history rule -0.7 to +0.7. Round-robin, which keeps no picture at all, reuses 0.536 on
-# this replay against one instance's 0.68-0.69: the bound of 8 points sits between the two. The replicas' KV events close the gap:
-# tests/test_kv_events_gateway.py runs four instances within a point of one.
+# this replay against one instance's 0.68-0.69: the bound of 8 points sits between the two.
+# The replicas' KV events close the gap: tests/test_kv_events_gateway.py runs four instances
+# within a point of one.
 @pytest.mark.parametrize("session_header", ["X-Session-ID", None], ids=["session-ids", "no-session-ids"])
 async def test_two_gateways_behind_a_round_robin_client_reuse_nearly_as_much_as_one(fleet, aiohttp_server,
                                                                                    session_header):
