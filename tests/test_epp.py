@@ -133,7 +133,13 @@ def test_a_killed_replica_gets_no_request_once_the_picker_has_learnt(tmp_path):
 
         async def run():
             task = asyncio.create_task(replay(requests, url, model="sim", time_scale=10))
-            await asyncio.sleep(2.0)
+            # kill it once it has served, not at a fixed time: on a slow box the first seconds
+            # may send it nothing (CI: "the victim served nothing" after a 2 s sleep)
+            deadline = time.monotonic() + 30
+            await asyncio.sleep(1.0)
+            while time.monotonic() < deadline and not sample_sum(
+                    await asyncio.to_thread(_metrics, epp_url), "prefix_router_requests_total", replica=dead):
+                await asyncio.sleep(0.2)
             os.killpg(victim.pid, signal.SIGKILL)
             killed_at.append(time.monotonic())
             return await task
