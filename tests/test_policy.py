@@ -11,7 +11,7 @@ from router.blocks import BlockHash
 from router.config import RoutingConfig
 from router.index import BranchStats, ShadowIndex
 from router.policy import (LeastLoadedPolicy, PrefixAffinityPolicy, ReplicaView, RoundRobinPolicy, Route,
-                           load_bound, make_policy, within_bound)
+                           in_flight_regime, load_bound, make_policy, within_bound)
 from router.ring import Ring
 
 NAMES = [f"replica-{i}:8000" for i in range(4)]
@@ -521,3 +521,40 @@ def test_a_replica_holding_the_history_but_over_its_share_loses_to_the_owner(hot
         assert d.replica == holder and d.route is Route.STICKY
     else:
         assert d.replica == owner and d.route is Route.SPILL and d.spilled_from == holder
+
+
+REGIME_CASES = [
+    # (load_factor - 1) x (total + 1) / replicas >= slack
+    ("three a replica with the defaults is still all slack", 11, 4, 1.25, 1, False),  # 0.25 x 3 < 1
+    ("four a replica with the defaults is past it", 15, 4, 1.25, 1, True),  # 0.25 x 4 >= 1
+    ("no slack: always in flight", 0, 4, 1.25, 0, True),  # 0 >= 0
+    ("a factor of 1 with slack: never", 1000, 4, 1.0, 1, False),  # 0 < 1
+]
+
+
+@pytest.mark.parametrize("case,total,replicas,factor,slack,expected", REGIME_CASES, ids=[c[0] for c in REGIME_CASES])
+def test_when_the_in_flight_bound_is_more_than_its_slack(case, total, replicas, factor, slack, expected):
+    assert in_flight_regime(total, replicas, factor, slack) is expected
+
+
+@pytest.mark.parametrize("case, hot, load, keeps", [
+    # shares 9, 1, 1, 1 are past the holder's share bound, ceil(max(1.5 x 13 / 4, 13 / 4 + 2)) = 6
+    # idle: only the share counts say how busy the holder is, and they turn it away
+    ("a cold history on an idle fleet", False, 0, False),
+    # five in flight everywhere: mean 21 / 4, 0.25 x 5.25 >= 1, so the in-flight counts decide:
+    # the bound ceil(max(6.5625, 6.25)) = 7 takes the holder's sixth; no share bound for the holder
+    ("a cold history with five in flight everywhere", False, 5, True),
+    # a hot prefix has no holder's leave: the plain share bound still turns the holder away
+    ("a hot history with five in flight everywhere", True, 5, False),
+])
+def test_once_requests_are_in_flight_everywhere_a_cold_holder_answers_to_the_in_flight_bound_not_its_share(
+        case, hot, load, keeps):
+    policy, _, _, views = setup()
+    hashes = fresh(8)
+    owner, holder = _holder_of_history(policy, views, hashes, hot=hot)
+    for name in NAMES:
+        views[name].recent = 9 if name == holder else 1
+        views[name].load = load
+    d = select(policy, hashes, views)
+    assert d.replica == (holder if keeps else owner), (case, d)  # the owner is exempt from the share bound
+    assert d.route is (Route.STICKY if keeps else Route.SPILL), case

@@ -80,7 +80,8 @@ class RoutingConfig:
     # load_slack turn it off. Measured on 4 simulated replicas (bench.compare --quick, one run
     # each): SGLang's shared-prefix shape 0.838 -> 0.882 (the pooled bound) at 1.25x busiest,
     # vLLM's prefix_repetition chat 0.753 -> 0.798, a dozen agent sessions 0.833 -> 0.865, 400
-    # sessions of one system prompt 0.924 -> 0.929
+    # sessions of one system prompt 0.924 -> 0.929. The share factor acts only while the
+    # in-flight bound is all slack (policy.in_flight_regime)
     holder_load_factor: float = 2.0
     holder_share_factor: float = 1.5
     holder_slack: int = 2
