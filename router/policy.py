@@ -194,9 +194,9 @@ class PrefixAffinityPolicy:
         bound = load_bound(total_load, n, cfg.load_factor, cfg.load_slack)
         share = load_bound(total_share, n, cfg.load_factor, cfg.load_slack)
         holder_bound = load_bound(total_load, n, cfg.holder_load_factor, cfg.holder_slack)
-        holder_share = load_bound(total_share, n, cfg.holder_share_factor, cfg.holder_slack)
-        if in_flight_regime(total_load, n, cfg.load_factor, cfg.load_slack):
-            holder_share = math.inf  # the in-flight bound sees the load: no holder's share bound
+        # past the slack the in-flight bound sees the load: no share bound for the holder
+        holder_share = (math.inf if in_flight_regime(total_load, n, cfg.load_factor, cfg.load_slack)
+                        else load_bound(total_share, n, cfg.holder_share_factor, cfg.holder_slack))
         # max() keeps the first of equals, and ``order`` is the ring's: ties go by the key
         preferred = max(order, key=matches.__getitem__)
         owner = order[0]
