@@ -45,7 +45,9 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
     if start >= num_full:
         return
     parent = hashes[-1] if hashes else seed
-    data = array("q", token_ids[start * block_size : num_full * block_size]).tobytes()
+    window = token_ids[start * block_size : num_full * block_size]
+    # an array("q") is already the bytes to hash (a tokenizer's ``Tokens``); a list is converted
+    data = (window if isinstance(window, array) and window.typecode == "q" else array("q", window)).tobytes()
     width = block_size * 8
     digest = xxhash.xxh3_64_intdigest
     for offset in range(0, len(data), width):

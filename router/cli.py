@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -138,6 +139,19 @@ def _event_loop():
     return uvloop.new_event_loop()
 
 
+def _quiet_gc() -> None:
+    """Collect cycles less often once the gateway is loaded: ``gc.freeze()`` moves everything
+    allocated so far (modules, the tokenizer, the compiled chat template) to a generation the
+    collector never scans, and a young generation of 20,000 objects in place of 700 runs it
+    about 30 times less often. Each request allocates thousands of short-lived dicts and lists
+    (the parsed body, the template's context), and the default thresholds spent 6% of the
+    gateway's busy CPU in the collector on ~1,000-token chats (py-spy --native, 50/s). vLLM's
+    server freezes its startup heap the same way (``freeze_gc_heap`` in ``vllm/utils/gc_utils.py``)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 10, 10)
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
@@ -190,6 +204,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     # SIGTERM (and Ctrl-C): stop accepting, give in-flight requests drain_s, then exit 0
     # backlog: aiohttp's default of 128 pending connections resets clients in a burst of new
     # connections (measured at 400 requests/s); the kernel caps it at net.core.somaxconn
+    _quiet_gc()
     try:
         web.run_app(app, host=config.host, port=config.port, access_log=None, handler_cancellation=True,
                     shutdown_timeout=config.drain_s, backlog=4096, loop=_event_loop(), reuse_port=worker is not None,

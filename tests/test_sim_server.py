@@ -252,6 +252,7 @@ JUNK_BODIES = [
     json.dumps({"messages": [{"role": 7}]}).encode(),
     json.dumps({"messages": [{"role": "user", "content": {"nested": [1]}}]}).encode(),
     json.dumps({"messages": [{"role": "user", "content": [{"type": "image"}]}]}).encode(),
+    json.dumps({"messages": [{"role": "system", "content": [{"type": []}]}]}).encode(),  # found by test_fuzz
     json.dumps({"messages": [{"role": "assistant", "content": None,
                               "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}]}]}).encode(),
     json.dumps({"messages": [{"role": "assistant", "tool_calls": [1, "x"]}]}).encode(),

@@ -57,6 +57,27 @@ def test_incremental_ids_equal_a_full_tokenization_on_every_turn(tokenizer, syst
         messages.append({"role": "assistant", "content": assistant})
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(system=texts, conversation=turns, salts=st.lists(st.sampled_from([None, "a", "b"]), min_size=1, max_size=5),
+       block_sizes=st.lists(st.sampled_from([1, 4, 16]), min_size=1, max_size=5))
+def test_analysis_reusing_the_known_prefixs_block_hashes_equals_hashing_every_block(
+        tokenizer, system, conversation, salts, block_sizes):
+    # each turn under a salt and a block size of its own: the memo kept with a known prefix
+    # must never hand one seed's or one block size's hashes to another
+    from router.blocks import block_hashes, seed_hash
+    from router.prompts import analyze
+
+    messages = [{"role": "system", "content": system}]
+    for i, (user, assistant) in enumerate(conversation):
+        messages.append({"role": "user", "content": user})
+        salt, size = salts[i % len(salts)], block_sizes[i % len(block_sizes)]
+        body = {"model": "m", "messages": messages, **({"cache_salt": salt} if salt else {})}
+        for _ in range(2):  # the second time the whole prompt's prefix is known
+            info = analyze(body, True, tokenizer, size, 64, None)
+            assert info.hashes == block_hashes(full(tokenizer, messages), size, seed_hash("m", salt))
+        messages.append({"role": "assistant", "content": assistant})
+
+
 def test_the_prefix_cache_is_used_and_stays_within_its_bound(tokenizer_dir):
     tok = HFTokenizer(str(tokenizer_dir), max_cached_tokens=2_000)
     messages = [{"role": "system", "content": "shared system prompt " * 50}]
