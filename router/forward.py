@@ -105,9 +105,9 @@ async def _attempt(request: web.Request, gw: Gateway, inbound: Inbound, info: Pr
     with InFlight(gw, replica, info, decision) as slot:
         t0 = time.perf_counter()
         try:
-            upstream = await asyncio.wait_for(
-                gw.http.post(replica.url + inbound.path, data=inbound.payload, headers=inbound.headers),
-                header_timeout)
+            # asyncio.timeout, not wait_for: no task of its own per request (None: no limit)
+            async with asyncio.timeout(header_timeout):
+                upstream = await gw.http.post(replica.url + inbound.path, data=inbound.payload, headers=inbound.headers)
             async with upstream:
                 if upstream.status >= 500:
                     slot.failed = True
