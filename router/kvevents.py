@@ -234,24 +234,24 @@ class EngineView:
 
     def note_routed(self, hashes: Sequence[BlockHash]) -> int:
         """Count a request's blocks as held from the moment it is sent until it ends. Returns
-        the number of removals so far, for ``first_evicted``."""
+        the number of removals so far, for ``evicted_since``."""
         inflight = self._inflight
         for h in hashes:
             inflight[h] = inflight.get(h, 0) + 1
         return self.removals
 
-    def first_evicted(self, hashes: Sequence[BlockHash], n: int, since: int) -> int | None:
-        """The first of the leading ``n`` blocks of a request in flight that the engine evicted
-        after removal number ``since`` (``note_routed``'s answer), or None. vLLM evicts free
+    def evicted_since(self, hashes: Sequence[BlockHash], n: int, since: int) -> tuple[int, ...]:
+        """Which of the leading ``n`` blocks of a request in flight (their indices, ascending) the
+        engine evicted after removal number ``since`` (``note_routed``'s answer). vLLM evicts free
         blocks to make room for other requests' (``kv_cache_utils.FreeKVCacheBlockQueue``, tail
-        blocks first): one queued behind them finds less of its prefix than it was routed for."""
+        blocks first): one queued behind them finds less of its prefix than it was routed for. A
+        block evicted may be stored again before the request is scheduled (another request
+        recomputed it), or be evicted after (vLLM preempts a running request and frees its
+        blocks), so the engine's hit stops at one of these, not always the first."""
         evicted = self._evicted
         if not evicted:
-            return None
-        for i, h in enumerate(hashes[:n]):
-            if evicted.get(h, -1) > since:
-                return i
-        return None
+            return ()
+        return tuple(i for i, h in enumerate(hashes[:n]) if evicted.get(h, -1) > since)
 
     def release_routed(self, hashes: Sequence[BlockHash], now: float, served: bool) -> None:
         """The request sent with ``note_routed`` ended (``now``: monotonic s). ``served``: the

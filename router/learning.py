@@ -89,9 +89,7 @@ def learn(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome: Outcome) -> 
                   verdict.result.value, prompt_tokens, cached_tokens, predicted,
                   "-" if outcome.ttft_s is None else f"{outcome.ttft_s:.3f} s")
     if gw.request_log is not None:
-        evicted = 0  # predicted tokens the engine evicted while the request waited to be scheduled
-        if outcome.evicted_block is not None:
-            evicted = predicted - min(int(outcome.evicted_block * to_tokens), predicted)
+        evicted = evicted_in_flight_tokens(outcome.evicted_blocks, cached_blocks, predicted, to_tokens)
         _log(gw, inbound, replica=name, route=route, status=outcome.status, prompt_tokens=prompt_tokens,
              cached_tokens=cached_tokens, predicted_cached_tokens=predicted, evicted_in_flight_tokens=evicted,
              result=verdict.result.value, lost_tokens=lost, cause=change.cause.value if change else None,
@@ -99,6 +97,19 @@ def learn(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome: Outcome) -> 
              diverged_token=int(verdict.diverged_block * to_tokens) if change else None,
              conversation=conversation_tag(conversation), spilled_from=decision.spilled_from,
              ttft_s=outcome.ttft_s, elapsed_s=round(outcome.elapsed_s, 6))
+
+
+def evicted_in_flight_tokens(evicted_blocks: tuple[int, ...], cached_blocks: int, predicted_tokens: int,
+                             to_tokens: float) -> int:
+    """Of the ``predicted_tokens`` a request was routed for, those the replica's KV events showed
+    evicted while it waited to be scheduled: from the first block evicted in flight
+    (``Outcome.evicted_blocks``, ascending indices) at or past ``cached_blocks``, where the
+    engine's hit stopped, to the prediction's end. A block evicted and stored again before the
+    request was scheduled (another request recomputed it), or evicted after it was (vLLM preempts
+    a running request and frees its blocks), did not stop the hit and counts for nothing.
+    ``to_tokens``: tokens per block. 0 when no such block."""
+    stop = next((i for i in evicted_blocks if i >= cached_blocks), None)
+    return 0 if stop is None else predicted_tokens - min(int(stop * to_tokens), predicted_tokens)
 
 
 def _record_change(gw: Gateway, inbound: Inbound, info: PromptInfo, verdict: Verdict, previous,

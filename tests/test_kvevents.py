@@ -14,6 +14,7 @@ import pytest
 from router.blocks import block_hashes, seed_hash
 from router.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, EngineView, decode_batch
 from router.kvstream import EventStream
+from router.learning import evicted_in_flight_tokens
 from router.tools.sim import kv_events as sim_events
 
 BS = 4  # tokens per block
@@ -389,14 +390,26 @@ def test_blocks_evicted_while_a_request_waits_are_told_apart_from_those_evicted_
     through_the_wire(v, stored([41, 42, 43, 44], None, tokens))
     v.apply(BlockRemoved([44]))  # before the request: the routing saw it gone
     since = v.note_routed(ours[:3])
-    assert v.first_evicted(ours, 3, since) is None
+    assert v.evicted_since(ours, 3, since) == ()
     v.apply(BlockRemoved([43, 42]))  # another request's allocation evicts the tail first
-    assert v.first_evicted(ours, 3, since) == 1 and v.first_evicted(ours, 1, since) is None
+    assert v.evicted_since(ours, 3, since) == (1, 2) and v.evicted_since(ours, 1, since) == ()
     later = v.note_routed(ours[:1])  # a request sent after those removals did not lose them
-    assert v.first_evicted(ours, 3, later) is None
+    assert v.evicted_since(ours, 3, later) == ()
     v.release_routed(ours[:3], now=1.0, served=True)
     v.release_routed(ours[:1], now=1.0, served=True)
     assert not v._evicted  # nothing kept past the requests that wanted the blocks
+
+
+def test_the_tokens_evicted_in_flight_run_from_the_evicted_block_where_the_engines_hit_stopped():
+    # blocks 1 and 5 of 8 predicted (16 tokens each) evicted while the request waited
+    assert evicted_in_flight_tokens((1, 5), cached_blocks=1, predicted_tokens=128, to_tokens=16) == 112
+    # block 1 stored again before the request was scheduled: the hit stopped at block 5
+    assert evicted_in_flight_tokens((1, 5), cached_blocks=5, predicted_tokens=128, to_tokens=16) == 48
+    # evicted after it was scheduled (a preemption): the engine hit all it was routed for
+    assert evicted_in_flight_tokens((1, 5), cached_blocks=8, predicted_tokens=128, to_tokens=16) == 0
+    # a hit short of the prediction at a block the events never showed evicted is not explained
+    assert evicted_in_flight_tokens((1,), cached_blocks=3, predicted_tokens=128, to_tokens=16) == 0
+    assert evicted_in_flight_tokens((), cached_blocks=0, predicted_tokens=128, to_tokens=16) == 0
 
 
 def test_blocks_of_requests_in_flight_count_until_they_end_and_then_until_the_events_confirm_them():
