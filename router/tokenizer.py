@@ -263,6 +263,9 @@ class HFTokenizer:
                           "cache (the gateway downloads nothing: give the folder of the model's tokenizer files)"
                           ) from None
         self._backend = self._tok.backend_tokenizer
+        # tokenizers >= 0.20's ``encode_batch_fast`` gives the same ids without the offsets that
+        # nothing here reads: 0.68-0.71x ``encode``'s time on 600- and 2,400-token texts (measured)
+        self._encode_fast = getattr(self._backend, "encode_batch_fast", None)
         self.vocab_size = len(self._tok)
         self._token_text: dict[int, str] = {}
         added = [t for t in self._backend.get_added_tokens_decoder().values() if t.special]
@@ -278,6 +281,8 @@ class HFTokenizer:
         self.chat_template: str | None = template if isinstance(template, str) else None
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        if self._encode_fast is not None:
+            return self._encode_fast([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def render_chat(self, messages, *, tools=None, add_generation_prompt=True,
@@ -358,7 +363,7 @@ class HFTokenizer:
         # array and as much to turn back into one (measured); an array's copy is one memcpy
         ids = known.ids[:] if known is not None else array("q")
         start = len(ids)
-        tail = self._backend.encode(text[cut:], add_special_tokens=False).ids
+        tail = self.encode(text[cut:], add_special_tokens=False)
         ids.extend(tail)
         kept = None
         remaining = len(boundaries) - num_known  # special tokens in the new tail, up to the last

@@ -7,9 +7,13 @@ from __future__ import annotations
 import copy
 import json
 
-import pytest
+import re
 
-from router.causes import Cause, diagnose, fingerprint
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.causes import VOLATILE, VOLATILE_SPANS, Cause, diagnose, fingerprint
 from router.tools.replay.generate import builtin_workload
 from router.tools.replay.workloads import load_trajectories
 
@@ -143,3 +147,15 @@ def test_a_print_built_on_the_previous_one_and_given_digests_equals_one_built_fr
         digests = (digest(body["tools"]), *(digest(m) for m in body["messages"]))
         assert fingerprint(body, previous, digests) == fingerprint(body, previous) == fingerprint(body)
     assert fingerprint(changed_tools, previous).tool_names == ("grep", "ls")
+
+
+# digits (ASCII and others \d matches), hex letters, the separators of dates, times and UUIDs, and
+# letters that are neither, so that every alternative of the pattern gets to match and to fail
+_VOLATILE_ALPHABET = "0123456789abcdefABCDEFxyzTZPMpm -:.+_\n\u0663\u096b\uff17"
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet=_VOLATILE_ALPHABET, max_size=80))
+def test_the_volatile_pattern_masks_what_it_would_mask_without_its_leading_lookahead(text):
+    plain = re.compile(VOLATILE_SPANS)
+    assert VOLATILE.sub("#", text) == plain.sub("#", text)
