@@ -161,18 +161,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     from .workers import port_problem, supervise, worker_index
 
     name = "prefix-router serve" if args.grpc_port is None else "prefix-router epp"
-    overrides: dict = {}
-    for key in ("host", "port", "tokenizer", "request_log", "request_log_bodies", "workers"):
-        if getattr(args, key) is not None:
-            overrides[key] = getattr(args, key)
-    if args.replica:
-        overrides["replicas"] = list(args.replica)
-    if args.policy:
-        overrides["routing"] = {"policy": args.policy}
-    if args.discover:
-        overrides["discovery"] = {"dns": args.discover}
     try:
-        config = load_config(args.config, overrides=overrides)
+        config = load_config(args.config, overrides=_serve_overrides(args))
         if not config.replicas and not config.discovery.dns:
             raise ConfigError("replicas: at least one replica is needed (--replica URL, --discover DNS_NAME "
                               "or the config file)")
@@ -208,18 +198,37 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         web.run_app(app, host=config.host, port=config.port, access_log=None, handler_cancellation=True,
                     shutdown_timeout=config.drain_s, backlog=4096, loop=_event_loop(), reuse_port=worker is not None,
-                    print=lambda *_: worker or print(
-                        (f"prefix-router endpoint picker: gRPC (Envoy ext_proc) on {config.host}:{args.grpc_port}, "
-                         f"metrics and views" if args.grpc_port is not None else "prefix-router gateway")
-                        + f" on http://{config.host}:{config.port} ({config.routing.policy}, "
-                        f"{len(config.replicas)} replica{'' if len(config.replicas) == 1 else 's'}"
-                        + (f", discovering {config.discovery.dns}" if config.discovery.dns else "")
-                        + (f", {config.workers} workers" if worker is not None else "") + ")", flush=True))
+                    print=lambda *_: worker or print(_banner(config, args.grpc_port, worker is not None), flush=True))
     except OSError as exc:  # the port taken, an address this machine does not have
         where = f"cannot listen on {config.host}:{config.port}: {exc.strerror}" if exc.errno else str(exc)
         print(f"{name}: {where}", file=sys.stderr)
         return 1
     return 0
+
+
+def _serve_overrides(args: argparse.Namespace) -> dict:
+    """The command line's settings of ``serve`` and ``epp``, as overrides of the config file."""
+    overrides: dict = {}
+    for key in ("host", "port", "tokenizer", "request_log", "request_log_bodies", "workers"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
+    if args.replica:
+        overrides["replicas"] = list(args.replica)
+    if args.policy:
+        overrides["routing"] = {"policy": args.policy}
+    if args.discover:
+        overrides["discovery"] = {"dns": args.discover}
+    return overrides
+
+
+def _banner(config, grpc_port: int | None, workers: bool) -> str:
+    """The line printed once the gateway (or the endpoint picker) listens."""
+    what = (f"prefix-router endpoint picker: gRPC (Envoy ext_proc) on {config.host}:{grpc_port}, metrics and views"
+            if grpc_port is not None else "prefix-router gateway")
+    n = len(config.replicas)
+    return (f"{what} on http://{config.host}:{config.port} ({config.routing.policy}, {n} replica{'' if n == 1 else 's'}"
+            + (f", discovering {config.discovery.dns}" if config.discovery.dns else "")
+            + (f", {config.workers} workers" if workers else "") + ")")
 
 
 class _ClientErrorFilter(logging.Filter):

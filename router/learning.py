@@ -55,17 +55,7 @@ def learn(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome: Outcome) -> 
             _log(gw, inbound, replica=name, route=route, status=outcome.status, ttft_s=outcome.ttft_s,
                  elapsed_s=round(outcome.elapsed_s, 6), conversation=conversation_tag(info.conversation))
         return
-    details = usage.get("prompt_tokens_details")
-    prompt_tokens = count(usage.get("prompt_tokens"))
-    cached_tokens = min(count(details.get("cached_tokens")) if isinstance(details, dict) else 0, prompt_tokens)
-    unit = gw.unit_block_size(info)
-    scale = (info.num_units / prompt_tokens) if (not info.exact and prompt_tokens) else 1.0
-    cached_blocks = int(cached_tokens * scale) // unit
-    if not info.exact and cached_tokens:
-        # Character blocks straddle the engine's token blocks: allow one block of rounding, or a
-        # full hit reads as an eviction of its last block.
-        cached_blocks = min(cached_blocks + 1, gw.max_hit_blocks(info))
-    to_tokens = unit / scale if scale else unit
+    prompt_tokens, cached_tokens, cached_blocks, to_tokens = _engine_hit(gw, info, usage)
     replica.shadow.add_output(count(usage.get("completion_tokens")) // gw.block_size, info.hashes)
     m.prompt_tokens.labels(name).inc(prompt_tokens)
     m.cached.labels(name).inc(cached_tokens)
@@ -97,6 +87,23 @@ def learn(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome: Outcome) -> 
              diverged_token=int(verdict.diverged_block * to_tokens) if change else None,
              conversation=conversation_tag(conversation), spilled_from=decision.spilled_from,
              ttft_s=outcome.ttft_s, elapsed_s=round(outcome.elapsed_s, 6))
+
+
+def _engine_hit(gw: Gateway, info: PromptInfo, usage: dict) -> tuple[int, int, int, float]:
+    """The engine's ``usage`` in the gateway's blocks: (prompt tokens, cached tokens, cached
+    blocks of ``info``'s, tokens per such block). Exact token blocks map one to one; character
+    blocks (no tokenizer) scale by the prompt's characters per token."""
+    details = usage.get("prompt_tokens_details")
+    prompt_tokens = count(usage.get("prompt_tokens"))
+    cached_tokens = min(count(details.get("cached_tokens")) if isinstance(details, dict) else 0, prompt_tokens)
+    unit = gw.unit_block_size(info)
+    scale = (info.num_units / prompt_tokens) if (not info.exact and prompt_tokens) else 1.0
+    cached_blocks = int(cached_tokens * scale) // unit
+    if not info.exact and cached_tokens:
+        # Character blocks straddle the engine's token blocks: allow one block of rounding, or a
+        # full hit reads as an eviction of its last block.
+        cached_blocks = min(cached_blocks + 1, gw.max_hit_blocks(info))
+    return prompt_tokens, cached_tokens, cached_blocks, (unit / scale if scale else unit)
 
 
 def evicted_in_flight_tokens(evicted_blocks: tuple[int, ...], cached_blocks: int, predicted_tokens: int,

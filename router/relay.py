@@ -167,18 +167,7 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, name: st
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_RELAYED}
     headers[REPLICA_HEADER] = name
     if not stream or upstream.status != 200:
-        data = await upstream.read()
-        usage = ttft = answer = None
-        if upstream.status == 200:
-            with contextlib.suppress(ValueError, RecursionError):
-                answer = loads(data)
-            if isinstance(answer, dict):
-                usage = answer.get("usage")
-            else:
-                answer = None
-            ttft = time.perf_counter() - sent_at
-        return Relayed(web.Response(body=data, status=upstream.status, headers=headers), upstream.status, usage, ttft,
-                       answer)
+        return await _relay_body(upstream, headers, sent_at)
     upstream_chunks = upstream.content.iter_any().__aiter__()
     try:  # the client's headers wait for the first chunk: a replica failing before it is retried
         first = await upstream_chunks.__anext__()
@@ -199,30 +188,53 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, name: st
     client = _Client(request, response, name, write_timeout_s)
     if events is None:
         events = UsageFilter(keep_usage=client_wants_usage)
+    status, ttft = await _pump(chunks(), client, events, watch, sent_at)
+    if status != CLIENT_GONE:
+        with contextlib.suppress(ConnectionError):
+            await response.write_eof()
+    return Relayed(response, status, events.usage, ttft)
+
+
+async def _relay_body(upstream: aiohttp.ClientResponse, headers: dict, sent_at: float) -> Relayed:
+    """An answer relayed in one write; a 200's JSON object read for its usage, its TTFT the
+    whole answer's time (the first token arrives with the last)."""
+    data = await upstream.read()
+    usage = ttft = answer = None
+    if upstream.status == 200:
+        with contextlib.suppress(ValueError, RecursionError):
+            answer = loads(data)
+        if isinstance(answer, dict):
+            usage = answer.get("usage")
+        else:
+            answer = None
+        ttft = time.perf_counter() - sent_at
+    return Relayed(web.Response(body=data, status=upstream.status, headers=headers), upstream.status, usage, ttft,
+                   answer)
+
+
+async def _pump(chunks, client: _Client, events, watch: Callable[[bytes], None] | None,
+                sent_at: float) -> tuple[int, float | None]:
+    """Pass a started stream's ``chunks`` through ``events`` to ``client``: (the status counted,
+    the seconds from ``sent_at`` to the first data event or None). A replica that fails here
+    gets an error event sent after what already reached the client (no retry: 502)."""
     status, ttft = 200, None
     try:
-        async for chunk in chunks():
+        async for chunk in chunks:
             if watch is not None:
                 watch(chunk)
             data = events.feed(chunk)
             if ttft is None and events.saw_data:
                 ttft = time.perf_counter() - sent_at
             if data and not await client.send(data):
-                status = CLIENT_GONE
-                break
-        else:
-            data = events.flush()
-            if data and not await client.send(data):
-                status = CLIENT_GONE
+                return CLIENT_GONE, ttft
+        data = events.flush()
+        if data and not await client.send(data):
+            status = CLIENT_GONE
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        # Bytes already reached the client: no retry; end the stream with an error event.
-        log.warning("stream from %s ended early: %s", name, type(exc).__name__)
-        message = f"replica {name} stopped streaming ({type(exc).__name__})"
+        log.warning("stream from %s ended early: %s", client.name, type(exc).__name__)
+        message = f"replica {client.name} stopped streaming ({type(exc).__name__})"
         status = 502 if await client.send(events.error_event(message)) else CLIENT_GONE
-    if status != CLIENT_GONE:
-        with contextlib.suppress(ConnectionError):
-            await response.write_eof()
-    return Relayed(response, status, events.usage, ttft)
+    return status, ttft
 
 
 class _Client:

@@ -129,19 +129,25 @@ def supervise(argv: list[str], workers: int, drain_s: float, host: str, port: in
                 log.warning("gateway worker %d (pid %d) exited with %s; restarting it", index, child.pid, code)
                 time.sleep(RESTART_DELAY_S)
                 children[index] = spawn(index)
-        deadline = time.monotonic() + drain_s + 10.0
-        for child in children.values():
-            try:
-                child.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+        _reap(children.values(), drain_s + 10.0)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if own_dir:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     return status
+
+
+def _reap(children, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` seconds in all for ``children`` (Popen objects told to stop) to
+    exit, then kill those still running."""
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        try:
+            child.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
 
 def _forget(pid: int, metrics_dir: str) -> None:
