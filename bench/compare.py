@@ -58,7 +58,7 @@ from router.tools.replay.workloads import load_mooncake
 
 from .fleet import ROOT, metric_sum, scrape
 from .peers import PEER_PACKAGES, SYSTEMS, System, ensure_peers
-from .pooled import pooled_hit_rate, unbounded_hit_rate
+from .pooled import pooled_hit_rate, spread_hit_rate, unbounded_hit_rate
 from .shapes import generated_shared_prefix, one_system_prompt
 from .vllm_bench import VLLM_BENCH_SHAPES, VllmBenchShape, run_vllm_bench, shape_bound
 
@@ -295,12 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         if work.shape is None:
             bound = pooled_hit_rate(work.requests, replicas * (args.num_blocks - 1) + 1, args.block_size)
             unbounded = unbounded_hit_rate(work.requests, args.block_size)
+            spread = spread_hit_rate(work.requests, replicas, args.block_size)
             count = len(work.requests)
         else:
             bound = unbounded = shape_bound(work.shape)
-            count = work.shape.num_prompts
+            spread, count = None, work.shape.num_prompts
         entry = {"name": work.name, "requests": count, "replicas": replicas, "pooled_bound": bound,
-                 "unbounded": unbounded, "rows": []}
+                 "unbounded": unbounded, "spread": spread, "rows": []}
         results["workloads"].append(entry)
         for system in args.system_list:
             row = combine([run_cell(system, work, args, peers_bin, log_dir, seed) for seed in range(args.runs)])
@@ -328,10 +329,16 @@ def write(results: dict, args) -> None:
             + (f"router pinned to CPU {results['pinned']['router']}, replicas and client to CPUs "
                f"{results['pinned']['replicas_and_client']} (taskset)" if results.get("pinned") else "not pinned"))
     bounds = "\n".join(f"- {w['name']}: {w['requests']} requests on {w['replicas']} replicas; pooled bound "
-                        f"{w['pooled_bound']:.3f}, unbounded cache {w['unbounded']:.3f}" for w in results["workloads"])
+                        f"{w['pooled_bound']:.3f}, unbounded cache {w['unbounded']:.3f}"
+                        + (f", sessions spread evenly {w['spread']:.3f}" if w.get("spread") is not None else "")
+                        for w in results["workloads"])
     bounds += ("\n\nThe pooled bound is one LRU cache of the fleet's total capacity serving the requests in "
                "order. When the workload overflows it, LRU on one pool can evict blocks that split caches "
-               "keep, so a router can pass 100% of it; the unbounded cache is the true ceiling. TTFT and "
+               "keep, so a router can pass 100% of it; the unbounded cache is the true ceiling. "
+               "Sessions spread evenly is the hit rate of a router that keeps each session on one replica "
+               "and hands the sessions to the replicas in turn (bench.pooled.spread_hit_rate): each replica "
+               "computes once what its sessions share with others; a router passes it by grouping sessions "
+               "that share a prefix or by loading some replicas more than others. TTFT and "
                "latency are wall time at the client x the time scale: every millisecond a router adds, or "
                "takes from the replicas' share of the cores, counts that many times over. The vllm-bench rows' "
                "bound comes from the dataset's shape (each prefix computed once); their latencies are "

@@ -18,7 +18,7 @@ from router.tools.sim.kv_cache import KVCache
 from router.tools.sim.requests import parse_chat
 from router.tokenizer import ByteTokenizer, PromptTokenizer
 
-__all__ = ["prompt_token_ids", "pooled_hit_rate", "unbounded_hit_rate"]
+__all__ = ["pooled_hit_rate", "prompt_token_ids", "spread_hit_rate", "unbounded_hit_rate"]
 
 
 def prompt_token_ids(req: ReplayRequest, tokenizer: PromptTokenizer | None = None) -> list[int]:
@@ -40,6 +40,13 @@ def pooled_hit_rate(requests: Sequence[ReplayRequest], num_gpu_blocks: int, bloc
     output blocks (output blocks get unique hashes, as generated tokens do) and frees them.
     A request too long for the whole cache is skipped, as a replica would refuse it.
     """
+    reused, total = _serve(requests, num_gpu_blocks, block_size, tokenizer)
+    return reused / total if total else 0.0
+
+
+def _serve(requests: Sequence[ReplayRequest], num_gpu_blocks: int, block_size: int,
+           tokenizer: PromptTokenizer | None) -> tuple[int, int]:
+    """(prompt tokens reused, prompt tokens) of one cache serving ``requests``: ``pooled_hit_rate``."""
     kv = KVCache(num_gpu_blocks, block_size)
     seed = seed_hash("pooled", None)
     reused = total = 0
@@ -58,6 +65,38 @@ def pooled_hit_rate(requests: Sequence[ReplayRequest], num_gpu_blocks: int, bloc
         kv.free(held)
         reused += len(hit) * block_size
         total += len(prompt)
+    return reused, total
+
+
+def _unbounded_blocks(requests: Sequence[ReplayRequest], block_size: int, tokenizer: PromptTokenizer | None) -> int:
+    """Blocks enough for every block of ``requests`` at once: a cache of this size never evicts."""
+    return sum((len(prompt_token_ids(r, tokenizer)) + int(r.body.get("max_tokens", 1))) // block_size + 1
+               for r in requests) + 2
+
+
+def spread_hit_rate(requests: Sequence[ReplayRequest], replicas: int, block_size: int,
+                    tokenizer: PromptTokenizer | None = None) -> float | None:
+    """The token hit rate of a router that keeps each session on one replica and hands the
+    sessions to the replicas in turn (the i-th session to start on replica i mod ``replicas``),
+    every replica's cache large enough never to evict; None when no request names a session.
+
+    What sessions share (a system prompt, the tools) is computed once on every replica holding
+    any of them, where the pooled bound computes it once for the fleet: the difference is the
+    price of putting every replica to work. A router passes this figure by grouping the sessions
+    that share a prefix (the built-in agent workload's 12 sessions have four system prompts) or
+    by giving some replicas more sessions than others.
+    """
+    if not any(r.session is not None for r in requests):
+        return None
+    homes: dict = {}
+    shares: list[list[ReplayRequest]] = [[] for _ in range(replicas)]
+    for i, req in enumerate(requests):
+        key = req.session if req.session is not None else ("", i)  # a request alone is its own session
+        shares[homes.setdefault(key, len(homes) % replicas)].append(req)
+    reused = total = 0
+    for share in shares:
+        r, t = _serve(share, _unbounded_blocks(share, block_size, tokenizer), block_size, tokenizer)
+        reused, total = reused + r, total + t
     return reused / total if total else 0.0
 
 
@@ -65,6 +104,4 @@ def unbounded_hit_rate(requests: Sequence[ReplayRequest], block_size: int,
                        tokenizer: PromptTokenizer | None = None) -> float:
     """``pooled_hit_rate`` with a cache that holds every block of ``requests``: nothing is ever
     evicted, so no router on any fleet can reuse more."""
-    blocks = sum((len(prompt_token_ids(r, tokenizer)) + int(r.body.get("max_tokens", 1))) // block_size + 1
-                 for r in requests)
-    return pooled_hit_rate(requests, blocks + 2, block_size, tokenizer)
+    return pooled_hit_rate(requests, _unbounded_blocks(requests, block_size, tokenizer), block_size, tokenizer)

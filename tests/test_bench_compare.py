@@ -15,7 +15,7 @@ import pytest
 
 from bench import compare
 from bench.peers import SYSTEMS, ensure_peers
-from bench.pooled import pooled_hit_rate, prompt_token_ids, unbounded_hit_rate
+from bench.pooled import pooled_hit_rate, prompt_token_ids, spread_hit_rate, unbounded_hit_rate
 from bench.shapes import generated_shared_prefix, one_system_prompt
 from bench.vllm_bench import VllmBenchShape, shape_bound
 from router.tools.replay.generate import builtin_workload
@@ -81,6 +81,27 @@ def test_the_shape_bound_computes_each_prefix_once():
     shape = VllmBenchShape("t", "prefix_repetition", False, num_prompts=640, rate=20, prefixes=32,
                            prefix_len=2000, suffix_len=200)
     assert shape_bound(shape) == pytest.approx(19 / 20 * 2000 / 2200)
+
+
+def test_sessions_spread_evenly_compute_their_shared_prefix_once_per_replica():
+    block = 16
+    shared = list(range(1000, 1000 + 4 * block))  # 4 blocks every session starts with
+    requests = []
+    for s in range(4):
+        own = [2000 + s] * (2 * block)
+        for turn in range(3):  # each turn appends two blocks to the session's prompt
+            own = own + [3000 + 10 * s + turn] * (2 * block)
+            requests.append(ReplayRequest("/v1/completions", {"prompt": shared + own + [7], "max_tokens": 1},
+                                          session=f"s{s}", turn=turn))
+    total = sum(len(prompt_token_ids(r)) for r in requests)
+    # per session: turn 2 reuses turn 1's prompt, turn 3 turn 2's (all but the last token)
+    within = sum(len(prompt_token_ids(r)) - 1 for r in requests if r.turn < 2) // block * block
+    assert spread_hit_rate(requests, 1, block) == pytest.approx(unbounded_hit_rate(requests, block))
+    for replicas in (1, 2, 4):
+        # the shared blocks are computed once per replica that holds sessions, reused by the rest
+        reused_shared = (4 - replicas) * 4 * block
+        assert spread_hit_rate(requests, replicas, block) == pytest.approx((within + reused_shared) / total)
+    assert spread_hit_rate([ReplayRequest("/v1/completions", {"prompt": shared})], 2, block) is None
 
 
 def test_the_pooled_bound_reads_chat_prompts_as_the_simulator_renders_them():
