@@ -1,0 +1,149 @@
+"""CPU per request under a C load generator: ``wrk`` (Debian package) in front of this gateway, the
+floor of an aiohttp hop and vllm-router ``consistent_hash``, side by side in one run.
+
+The Python client of ``bench/overhead.py`` sends at fixed rates and measures added TTFT; this one
+takes the client's own cost out of the picture: ``wrk`` (one thread, ``--connections`` kept
+busy, closed loop) sends ~N-token streaming chats, each body the next turn of one of many
+conversations (``bench.gateway_overhead.conversations``, cycled when the run outlasts them), to
+one simulated replica at 10,000x behind each system. Each system runs alone on the last core
+(``taskset``), the replica and ``wrk`` on the others, so the router's CPU seconds (``/proc``)
+per completed request and its saturation throughput are its own. The systems alternate within
+every repetition, so the machine's noise falls on all of them alike.
+
+    python -m bench.overhead_wrk [--tokens 1000] [--connections 8] [--seconds 10] [--reps 2]
+
+Prints one line per cell and writes ``--out`` (markdown, medians over the repetitions).
+Raises ``SystemExit`` when ``wrk`` is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from router.tools.launch import Server, build_tiny_model, running, sim_server
+
+from .fleet import ROOT
+from .gateway_overhead import MODEL, conversations
+from .overhead_ab import FLOOR, PEER, _floor_server
+from .peers import System, cpu_seconds, ensure_peers
+
+GATEWAY = "prefix-router"
+# wrk's Lua: each request the next body of the file (one JSON object a line), in turn
+_SCRIPT = """
+local bodies = {}
+for line in io.lines("%s") do bodies[#bodies + 1] = line end
+local i = 0
+init = function(args) i = tonumber(args[1]) or 0 end  -- where this run starts in the file
+local headers = {["Content-Type"] = "application/json"}
+request = function()
+  i = i %% #bodies + 1
+  return wrk.format("POST", "/v1/chat/completions", headers, bodies[i])
+end
+"""
+
+
+def _pinned(server: Server, cpus: str | None) -> Server:
+    return server if cpus is None else dataclasses.replace(server, cmd=["taskset", "-c", cpus, *server.cmd])
+
+
+def wrk_run(url: str, script: Path, connections: int, seconds: float, cpus: str | None,
+            start: int = 0) -> tuple[int, float, str]:
+    """(requests completed, requests/s, wrk's latency p50) of one closed-loop ``wrk`` run whose
+    first request is body ``start + 1`` of the script's file. Raises RuntimeError when wrk
+    reports no requests or non-2xx answers."""
+    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-s", str(script), url, "--", str(start)]
+    if cpus is not None:
+        cmd = ["taskset", "-c", cpus, *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=seconds + 60).stdout
+    done = re.search(r"(\d+) requests in", out)
+    rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    if not done or not rate or "Non-2xx" in out:
+        raise RuntimeError(f"wrk: no clean run against {url}:\n{out}")
+    latency = re.search(r"^\s+Latency\s+(.+)$", out, re.MULTILINE)
+    return int(done.group(1)), float(rate.group(1)), latency.group(1).split()[0] if latency else "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=1000, help="prompt size of the chats")
+    parser.add_argument("--connections", type=int, default=8, help="wrk's connections, each kept busy")
+    parser.add_argument("--seconds", type=float, default=10.0, help="seconds of load per cell")
+    parser.add_argument("--reps", type=int, default=2, help="repetitions of every cell")
+    parser.add_argument("--bodies", type=int, default=32_768,
+                        help="distinct request bodies (4 turns of a quarter as many conversations)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "overhead-wrk.md")
+    args = parser.parse_args(argv)
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk is not installed (Debian: apt-get install wrk)")
+    log_dir = ROOT / ".cache" / "bench-overhead-wrk"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_model(ROOT / ".cache" / "tiny-tokenizer", corpus=ROOT.parent / "shared" / "agent_traces",
+                                 tokenizer_only=True)
+    bodies = log_dir / f"bodies-{args.tokens}.jsonl"
+    # 4 turns of each conversation: every body ~N tokens, the first turn of each unseen, later
+    # turns extending it (the incremental path); none repeats until ``--bodies`` have gone
+    with bodies.open("w") as f:
+        for messages in conversations(args.tokens, max(args.bodies // 4, 1), 4):
+            f.write(json.dumps({"model": MODEL, "messages": messages, "max_tokens": 8, "stream": True}) + "\n")
+    script = log_dir / "bodies.lua"
+    script.write_text(_SCRIPT % bodies)
+    cores = os.cpu_count() or 1
+    router_cpu, others = (str(cores - 1), f"0-{cores - 2}") if cores >= 2 else (None, None)
+    peers = ensure_peers()
+    cells: dict[str, list[tuple[float, float, str]]] = {}
+    cycled = False
+    sim = _pinned(sim_server(log_dir, ["--model", "sim", "--time-scale", "10000", "--tokenizer", str(tokenizer)]),
+                  others)
+    with running([sim]) as (replica,):
+        aliases = [replica, replica.replace("127.0.0.1", "localhost")]
+        for _ in range(args.reps):
+            for name in (GATEWAY, FLOOR, PEER.name):
+                if name == FLOOR:
+                    server = _floor_server(replica, log_dir)
+                elif name == GATEWAY:
+                    server = System(name, "prefix-router", "prefix-affinity").server(
+                        aliases, log_dir, None, ("--tokenizer", str(tokenizer)))
+                else:
+                    server = PEER.server(aliases, log_dir, peers)
+                server = _pinned(server, router_cpu)
+                with running([server]) as (url,):
+                    warm, _, _ = wrk_run(url, script, args.connections, 2.0, others)  # connections, the loop
+                    cpu0 = cpu_seconds(server.pid)
+                    done, rate, p50 = wrk_run(url, script, args.connections, args.seconds, others, start=warm)
+                    cpu = cpu_seconds(server.pid) - cpu0
+                cycled |= warm + done > args.bodies
+                row = (1000 * cpu / done, rate, p50)
+                cells.setdefault(name, []).append(row)
+                print(f"{args.tokens} tokens, wrk {args.connections} connections, {name}: CPU {row[0]:.2f} ms/request, "
+                      f"{rate:.0f} requests/s, latency p50 {p50}", flush=True)
+    base = statistics.median(r[0] for r in cells[PEER.name])
+    where = (f"the router on CPU {router_cpu}, the replica and wrk on CPUs {others} (taskset)" if router_cpu
+             else "nothing pinned (one core)")
+    lines = [f"~{args.tokens}-token streaming chats through each system to one simulated replica at 10,000x; wrk, "
+             f"one thread, {args.connections} connections, {args.seconds:g} s a cell after 2 s of warm-up, medians of "
+             f"{args.reps}; {where}; "
+             + ("the bodies ran out and repeated (raise --bodies)." if cycled else
+                f"no body sent twice to one gateway ({args.bodies:,} distinct)."),
+             "", f"| system | CPU ms / request | requests/s | wrk latency p50 | CPU vs {PEER.name} |", "|---|---|---|---|---|"]
+    for name, rows in cells.items():
+        cpu = statistics.median(r[0] for r in rows)
+        lines.append(f"| {name} | {cpu:.2f} | {statistics.median(r[1] for r in rows):.0f} | "
+                     f"{rows[len(rows) // 2][2]} | {cpu / base:.2f}x |")
+    lines.append(f"\nCommand: `python -m bench.overhead_wrk {' '.join(sys.argv[1:] if argv is None else argv)}`")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
