@@ -10,7 +10,11 @@ one simulated replica at 10,000x behind each system. Each system runs alone on t
 per completed request and its saturation throughput are its own. The systems alternate within
 every repetition, so the machine's noise falls on all of them alike.
 
-    python -m bench.overhead_wrk [--tokens 1000] [--connections 8] [--seconds 10] [--reps 2]
+    python -m bench.overhead_wrk [--tokens 1000] [--connections 8] [--seconds 10] [--reps 2] [--workers 2]
+
+``--workers N`` adds this gateway with ``--workers 1`` and ``--workers N``, nothing pinned (N
+processes need N cores, and the replica and ``wrk`` then share them), CPU counted over each
+gateway's process tree, and states the saturation ratio of the two.
 
 Prints one line per cell and writes ``--out`` (markdown, medians over the repetitions).
 Raises ``SystemExit`` when ``wrk`` is not installed.
@@ -72,12 +76,28 @@ def wrk_run(url: str, script: Path, connections: int, seconds: float, cpus: str 
     return int(done.group(1)), float(rate.group(1)), latency.group(1).split()[0] if latency else "-"
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """``cpu_seconds`` of ``pid`` and its live descendants (a ``--workers`` gateway's workers),
+    found through ``/proc/PID/task/TID/children``."""
+    total, stack = 0.0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            total += cpu_seconds(p)
+            for task in Path(f"/proc/{p}/task").iterdir():
+                stack += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # exited meanwhile
+            continue
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=1000, help="prompt size of the chats")
     parser.add_argument("--connections", type=int, default=8, help="wrk's connections, each kept busy")
     parser.add_argument("--seconds", type=float, default=10.0, help="seconds of load per cell")
     parser.add_argument("--reps", type=int, default=2, help="repetitions of every cell")
+    parser.add_argument("--workers", type=int, default=0, help="also --workers 1 against --workers N, unpinned")
     parser.add_argument("--bodies", type=int, default=32_768,
                         help="distinct request bodies (4 turns of a quarter as many conversations)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "overhead-wrk.md")
@@ -105,21 +125,29 @@ def main(argv: list[str] | None = None) -> int:
                   others)
     with running([sim]) as (replica,):
         aliases = [replica, replica.replace("127.0.0.1", "localhost")]
+        names = [GATEWAY, FLOOR, PEER.name]
+        if args.workers > 1:
+            names += [f"{GATEWAY} --workers 1, unpinned", f"{GATEWAY} --workers {args.workers}, unpinned"]
         for _ in range(args.reps):
-            for name in (GATEWAY, FLOOR, PEER.name):
-                if name == FLOOR:
+            for name in names:
+                pin, load_cpus = (None, None) if "--workers" in name else (router_cpu, others)
+                if "--workers" in name:
+                    count = name.split("--workers ")[1].split(",")[0]
+                    server = System(name, "prefix-router", "prefix-affinity").server(
+                        aliases, log_dir, None, ("--tokenizer", str(tokenizer), "--workers", count))
+                elif name == FLOOR:
                     server = _floor_server(replica, log_dir)
                 elif name == GATEWAY:
                     server = System(name, "prefix-router", "prefix-affinity").server(
                         aliases, log_dir, None, ("--tokenizer", str(tokenizer)))
                 else:
                     server = PEER.server(aliases, log_dir, peers)
-                server = _pinned(server, router_cpu)
+                server = _pinned(server, pin)
                 with running([server]) as (url,):
-                    warm, _, _ = wrk_run(url, script, args.connections, 2.0, others)  # connections, the loop
-                    cpu0 = cpu_seconds(server.pid)
-                    done, rate, p50 = wrk_run(url, script, args.connections, args.seconds, others, start=warm)
-                    cpu = cpu_seconds(server.pid) - cpu0
+                    warm, _, _ = wrk_run(url, script, args.connections, 2.0, load_cpus)  # connections, the loop
+                    cpu0 = tree_cpu_seconds(server.pid)
+                    done, rate, p50 = wrk_run(url, script, args.connections, args.seconds, load_cpus, start=warm)
+                    cpu = tree_cpu_seconds(server.pid) - cpu0
                 cycled |= warm + done > args.bodies
                 row = (1000 * cpu / done, rate, p50)
                 cells.setdefault(name, []).append(row)
@@ -138,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         cpu = statistics.median(r[0] for r in rows)
         lines.append(f"| {name} | {cpu:.2f} | {statistics.median(r[1] for r in rows):.0f} | "
                      f"{rows[len(rows) // 2][2]} | {cpu / base:.2f}x |")
+    if args.workers > 1:
+        one, many = (statistics.median(r[1] for r in cells[n]) for n in names[-2:])
+        lines.append(f"\nSaturation, --workers {args.workers} over --workers 1 (nothing pinned): {many / one:.2f}x "
+                     f"({many:.0f} against {one:.0f} requests/s).")
     lines.append(f"\nCommand: `python -m bench.overhead_wrk {' '.join(sys.argv[1:] if argv is None else argv)}`")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
