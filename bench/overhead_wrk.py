@@ -59,21 +59,27 @@ def _pinned(server: Server, cpus: str | None) -> Server:
     return server if cpus is None else dataclasses.replace(server, cmd=["taskset", "-c", cpus, *server.cmd])
 
 
+def parse_wrk(out: str) -> tuple[int, float, str]:
+    """(requests completed, requests/s, latency p50 as wrk prints it) from the output of
+    ``wrk --latency``. Raises ValueError when the output has no such figures or reports
+    non-2xx answers or socket errors."""
+    done = re.search(r"(\d+) requests in", out)
+    rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    p50 = re.search(r"^\s+50%\s+(\S+)$", out, re.MULTILINE)
+    if not done or not rate or not p50 or "Non-2xx" in out or "Socket errors" in out:
+        raise ValueError(f"wrk: no clean run:\n{out}")
+    return int(done.group(1)), float(rate.group(1)), p50.group(1)
+
+
 def wrk_run(url: str, script: Path, connections: int, seconds: float, cpus: str | None,
             start: int = 0) -> tuple[int, float, str]:
-    """(requests completed, requests/s, wrk's latency p50) of one closed-loop ``wrk`` run whose
-    first request is body ``start + 1`` of the script's file. Raises RuntimeError when wrk
-    reports no requests or non-2xx answers."""
+    """``parse_wrk`` of one closed-loop ``wrk`` run whose first request is body ``start + 1``
+    of the script's file. Raises ValueError for a run with errors (``parse_wrk``),
+    ``subprocess.CalledProcessError`` when wrk fails."""
     cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-s", str(script), url, "--", str(start)]
     if cpus is not None:
         cmd = ["taskset", "-c", cpus, *cmd]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=seconds + 60).stdout
-    done = re.search(r"(\d+) requests in", out)
-    rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    if not done or not rate or "Non-2xx" in out:
-        raise RuntimeError(f"wrk: no clean run against {url}:\n{out}")
-    latency = re.search(r"^\s+Latency\s+(.+)$", out, re.MULTILINE)
-    return int(done.group(1)), float(rate.group(1)), latency.group(1).split()[0] if latency else "-"
+    return parse_wrk(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=seconds + 60).stdout)
 
 
 def tree_cpu_seconds(pid: int) -> float:
