@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from router.policy import Route
 from router.tools.launch import build_tiny_model, find_vllm_python, running, sim_server
 from router.tools.replay.client import replay
 from router.tools.replay.generate import builtin_workload
@@ -65,7 +66,7 @@ from .vllm_bench import VLLM_BENCH_SHAPES, VllmBenchShape, run_vllm_bench, shape
 MODEL = "sim"
 TRACES = ROOT.parent / "shared" / "traces"
 DEFAULT_TRACES = (TRACES / "mooncake_conversation.jsonl", TRACES / "mooncake_synthetic.jsonl")
-ROUTES = ("affinity", "sticky", "spill", "fallback")  # prefix_router_requests_total{route}
+ROUTES = tuple(r.value for r in Route if r is not Route.RETRY)  # prefix_router_requests_total{route}
 RESULTS = ("hit", "miss_cold", "miss_changed", "miss_routed", "miss_evicted")  # ..._cache_requests_total{result}
 SHAPES = ("gsp", "system", "dozen", "vllm-bench")
 # per mode: SGLang GSP groups and its rate (requests per modelled s), sessions of the shared system

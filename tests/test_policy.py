@@ -558,3 +558,79 @@ def test_once_requests_are_in_flight_everywhere_a_cold_holder_answers_to_the_in_
     d = select(policy, hashes, views)
     assert d.replica == (holder if keeps else owner), (case, d)  # the owner is exempt from the share bound
     assert d.route is (Route.STICKY if keeps else Route.SPILL), case
+
+
+# --- new work: a prompt mostly new everywhere -----------------------------------------------
+
+# (case, blocks of the 10-block prompt each replica holds, blocks each holds in all, loads,
+#  match_threshold, the replica chosen by index or "owner" for the key's ring owner, route).
+# The threshold is worked out in the prompt's blocks: 0.5 x 10 = 5, so a replica holding 4
+# leading blocks holds "a little" and one holding 5 holds enough to follow. Loads: 4 replicas,
+# 3 in flight, the bound ceil(max(1.25 x 4 / 4, 4 / 4 + 1)) = 2, so a replica with 2 in flight
+# is over it.
+NEW_WORK_CASES = [
+    ("a prompt of which the best holder has under half goes to the replica holding the fewest blocks",
+     [0, 4, 0, 0], [50, 40, 5, 30], [0, 0, 0, 0], 0.5, 2, Route.BALANCE),
+    ("a prompt of which a replica holds half follows that replica",
+     [0, 5, 0, 0], [50, 40, 5, 30], [0, 0, 0, 0], 0.5, 1, None),
+    ("a prompt nobody holds any of goes to the ring owner of its key",
+     [0, 0, 0, 0], [50, 40, 5, 30], [0, 0, 0, 0], 0.5, "owner", Route.AFFINITY),
+    ("a threshold of 0 turns new work off and the little that is held is followed",
+     [0, 4, 0, 0], [50, 40, 5, 30], [0, 0, 0, 0], 0.0, 1, None),
+    ("the replica holding the fewest blocks is passed over while it is over the load bound",
+     [0, 4, 0, 0], [50, 40, 5, 30], [0, 0, 2, 1], 0.5, 3, Route.BALANCE),
+]
+
+
+@pytest.mark.parametrize("case, held, sizes, loads, threshold, expected, route", NEW_WORK_CASES,
+                         ids=[c[0] for c in NEW_WORK_CASES])
+def test_new_work(case, held, sizes, loads, threshold, expected, route):
+    policy, ring, _, views = setup(RoutingConfig(match_threshold=threshold))
+    prompt = fresh(10)
+    for view, h, size, load in zip(views.values(), held, sizes, loads):
+        view.shadow.insert(prompt[:h] + fresh(size - h))
+        view.load = load
+    d = select(policy, prompt, views, session_key="new")
+    want = ring.owner(d.key) if expected == "owner" else NAMES[expected]
+    assert d.replica == want
+    if route is not None:
+        assert d.route is route
+    else:  # followed the holder: sticky, or affinity where the holder is the key's owner
+        assert d.route in (Route.STICKY, Route.AFFINITY)
+    assert d.best_blocks == max(held) and d.predicted_blocks == held[NAMES.index(want)]
+
+
+def test_replicas_holding_equally_few_blocks_take_new_work_in_the_ring_order_of_its_key():
+    policy, ring, _, views = setup()
+    base = fresh(2)
+    for view in views.values():
+        view.shadow.insert(fresh(20))
+    views[NAMES[0]].shadow.insert(base)  # 22 blocks: not among the fewest
+    for i in range(20):
+        d = select(policy, base + fresh(8), views, session_key=f"c{i}")
+        order = [n for n in ring.candidates(d.key) if n != NAMES[0]]
+        assert d.route is Route.BALANCE and d.replica == order[0]
+
+
+def test_new_conversations_on_a_shared_base_spread_one_a_replica_and_their_later_turns_stay():
+    # Four system prompts share a base of 4 blocks and differ in the 6 after it: the first
+    # conversation computes the base on one replica, and every later one would follow it there
+    # if a holder of 4 of 10 blocks were worth following. New work spreads them instead, and
+    # each then keeps its replica as its history grows.
+    policy, _, _, views = setup()
+    base = fresh(4)
+    conversations = {f"c{i}": base + fresh(6) for i in range(4)}
+    homes = {}
+    for name, prompt in conversations.items():
+        d = select(policy, prompt, views, session_key=name)
+        views[d.replica].shadow.insert(prompt)
+        _send(policy, views, d.replica, prompt)
+        homes[name] = d.replica
+    assert sorted(homes.values()) == sorted(NAMES), homes
+    for turn in range(3):
+        for name in conversations:
+            conversations[name] = prompt = conversations[name] + fresh(3)
+            d = select(policy, prompt, views, session_key=name)
+            assert d.replica == homes[name] and d.route is not Route.BALANCE, (turn, name, d)
+            views[d.replica].shadow.insert(prompt)
+            _send(policy, views, d.replica, prompt)

@@ -88,6 +88,12 @@ class RoutingConfig:
     holder_load_factor: float = 2.0
     holder_share_factor: float = 1.5
     holder_slack: int = 2
+    # a prompt whose longest cached prefix anywhere is under this share of it is mostly new
+    # work: it goes to the replica holding the fewest blocks (within the bounds), not to the one
+    # holding that small prefix, which would draw every new conversation that shares a hot
+    # base prompt onto one replica (sglang-router's and vllm-router's cache_threshold, 0.5).
+    # 0 turns it off
+    match_threshold: float = 0.5
     # request header whose value keys a session to a replica (multi-turn chats stay together)
     session_header: str = "X-Session-ID"
     # use the OpenAI ``user`` field as a session key when no session header is present
