@@ -352,19 +352,24 @@ def build_tiny_lora(out: Path, python: Path | str, seed: int = 0) -> Path:
 def build_tiny_model(out: Path, python: Path | str = sys.executable, corpus: Path | None = None,
                      tokenizer_only: bool = False) -> Path:
     """Build ``router/tools/tiny_model.py``'s tokenizer (and model unless ``tokenizer_only``) into ``out``
-    once per ``TINY_MODEL_VERSION``; the model needs an interpreter with torch (the vLLM
+    once per ``TINY_MODEL_VERSION`` and corpus (``corpus``: a folder of text to train the
+    vocabulary on, generated text when None or absent); the model needs an interpreter with torch (the vLLM
     environment). Returns ``out``.
 
     Raises ``subprocess.CalledProcessError`` when the build fails.
     """
     done = out / ("tokenizer.json" if tokenizer_only else "model.safetensors")
     stamp = out / "prefix-router-version"
-    if not done.exists() or not stamp.exists() or stamp.read_text().strip() != str(TINY_MODEL_VERSION):
+    used = corpus if corpus is not None and corpus.is_dir() else None
+    # the stamp names the corpus too: a vocabulary trained on the agent traces is another
+    # tokenizer than one trained on generated text, and callers share the folder
+    want = f"{TINY_MODEL_VERSION} {used.resolve() if used else 'generated'}"
+    if not done.exists() or not stamp.exists() or stamp.read_text().strip() != want:
         cmd = [str(python), str(TINY_MODEL_SCRIPT), str(out)]
-        if corpus is not None and corpus.is_dir():
-            cmd += ["--corpus", str(corpus)]
+        if used is not None:
+            cmd += ["--corpus", str(used)]
         if tokenizer_only:
             cmd.append("--tokenizer-only")
         subprocess.run(cmd, check=True, capture_output=True)
-        stamp.write_text(f"{TINY_MODEL_VERSION}\n")
+        stamp.write_text(want + "\n")
     return out

@@ -1,0 +1,27 @@
+"""The process launcher's builds: the tiny tokenizer's folder answers for the corpus it was trained on."""
+
+from __future__ import annotations
+
+import json
+
+from router.tools.launch import build_tiny_model
+
+
+def test_a_tiny_tokenizer_folder_is_rebuilt_for_another_corpus_and_kept_for_the_same(tmp_path):
+    # Benchmarks and tests share .cache/tiny-tokenizer, some with the agent traces as corpus and
+    # some without: a folder built for one must not be served to the other.
+    corpus = tmp_path / "traces"
+    corpus.mkdir()
+    words = "zebrafish quasar ombudsman " * 400
+    (corpus / "a.traj").write_text(json.dumps({"history": [{"role": "user", "content": words}]}))
+    out = tmp_path / "tok"
+    build_tiny_model(out, tokenizer_only=True)
+    generated = (out / "tokenizer.json").read_text()
+    build_tiny_model(out, corpus=corpus, tokenizer_only=True)
+    trained = (out / "tokenizer.json").read_text()
+    assert trained != generated and "zebrafish" in trained and "zebrafish" not in generated
+    stamp = (out / "prefix-router-version").stat().st_mtime_ns
+    build_tiny_model(out, corpus=corpus, tokenizer_only=True)
+    assert (out / "prefix-router-version").stat().st_mtime_ns == stamp  # the same corpus: no rebuild
+    build_tiny_model(out, corpus=tmp_path / "absent", tokenizer_only=True)  # absent: generated text
+    assert (out / "tokenizer.json").read_text() == generated
