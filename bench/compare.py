@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import platform
@@ -51,13 +50,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from router.policy import Route
-from router.tools.launch import build_tiny_model, find_vllm_python, running, sim_server
+from router.tools.launch import find_vllm_python, running, sim_server
 from router.tools.replay.client import replay
 from router.tools.replay.generate import builtin_workload
 from router.tools.replay.summary import summarize
 from router.tools.replay.workloads import load_mooncake
 
-from .fleet import ROOT, metric_sum, scrape
+from .fleet import ROOT, metric_sum, pinned, scrape, tiny_tokenizer
 from .peers import PEER_PACKAGES, SYSTEMS, System, ensure_peers
 from .pooled import pooled_hit_rate, spread_hit_rate, unbounded_hit_rate
 from .shapes import generated_shared_prefix, one_system_prompt
@@ -120,20 +119,16 @@ def workloads(traces: list[Path], limit: int, sessions: int, shapes=SHAPES, mode
     return out
 
 
-def _pinned(server, cpus: str | None):
-    return server if not cpus else dataclasses.replace(server, cmd=["taskset", "-c", cpus, *server.cmd])
-
-
 def run_cell(system: System, work: Workload, args, peers_bin: Path | None, log_dir: Path, seed: int = 0) -> dict:
     """One system on one workload, on fresh replicas: counters, latencies and per-request records."""
     sim_args = ["--model", MODEL, "--num-blocks", str(args.num_blocks), "--block-size", str(args.block_size),
                 "--time-scale", str(args.time_scale)]
     replicas = work.replicas or args.replicas
     rest, own_cpu = args.cpus
-    sims = [_pinned(sim_server(log_dir, sim_args), rest) for _ in range(replicas)]
+    sims = [pinned(sim_server(log_dir, sim_args), rest) for _ in range(replicas)]
     with running(sims) as urls:
         extra = ("--config", str(args.gateway_config)) if args.gateway_config and not system.is_peer else ()
-        with running([_pinned(system.server(urls, log_dir, peers_bin, extra), own_cpu)]) as (url,):
+        with running([pinned(system.server(urls, log_dir, peers_bin, extra), own_cpu)]) as (url,):
             started = time.perf_counter()
             if work.shape is None:
                 records = asyncio.run(replay(work.requests, url, model=MODEL, time_scale=args.time_scale))
@@ -290,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     matrix = workloads(args.traces, args.limit, args.sessions, args.shape_list, args.mode)
     if any(w.shape is not None for w in matrix):
-        args.tokenizer = build_tiny_model(ROOT / ".cache" / "tiny-tokenizer", tokenizer_only=True)
+        args.tokenizer = tiny_tokenizer(traces=False)
     for work in matrix:
         replicas = work.replicas or args.replicas
         if work.shape is None:

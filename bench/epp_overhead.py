@@ -23,10 +23,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from router.tools.launch import build_tiny_model, envoy_server, epp_server, gateway_server, running, sim_server
+from router.tools.launch import envoy_server, epp_server, gateway_server, running, sim_server
 from router.tools.replay.summary import percentile
 
-from .fleet import ROOT
+from .fleet import ROOT, tiny_tokenizer, write_report
 from .gateway_overhead import conversations, fixed_rate
 from .overhead import cpu_seconds
 
@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     log_dir = ROOT / ".cache" / "bench-epp"
     log_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_model(ROOT / ".cache" / "tiny-tokenizer", corpus=ROOT.parent / "shared" / "agent_traces",
-                                 tokenizer_only=True)
+    tokenizer = tiny_tokenizer(traces=True)
     gateway_args = ["--tokenizer", str(tokenizer)]
     cells: dict[tuple[float, str], list[tuple[float, float, float, float]]] = {}
     sim = sim_server(log_dir, ["--model", "sim", "--time-scale", "10000", "--tokenizer", str(tokenizer)])
@@ -92,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         proxy = "-" if name == "serve" else f"{med[1]:.2f}"
         lines.append(f"| {rate:g}/s | {name} | {med[0]:.2f} | {proxy} | {med[2]:.1f} / {med[3]:.1f} |")
     lines += ["", f"Command: `python -m bench.epp_overhead {' '.join(sys.argv[1:] if argv is None else argv)}`"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, lines)
     return 0
 
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import urllib.request
 from pathlib import Path
 
-from router.tools.launch import free_port, gateway_server, running, sim_server
+from router.tools.launch import Server, build_tiny_model, free_port, gateway_server, running, sim_server
 from router.metrics import sample_sum
 
 ROOT = Path(__file__).resolve().parents[1]
+TRACES = ROOT.parent / "shared" / "agent_traces"  # SWE-agent trajectories, where this clone has them
 
-__all__ = ["ROOT", "free_port", "fleet", "gateway", "scrape", "metric_sum"]
+__all__ = ["ROOT", "TRACES", "free_port", "fleet", "gateway", "scrape", "metric_sum", "pinned", "tiny_tokenizer",
+           "write_report"]
 
 
 @contextlib.contextmanager
@@ -34,3 +37,24 @@ def scrape(url: str) -> str:
 
 
 metric_sum = sample_sum  # (page, name, **labels) -> sum of matching samples
+
+
+def pinned(server: Server, cpus: str | None) -> Server:
+    """``server`` started under ``taskset -c cpus``; as it is when ``cpus`` is None or empty."""
+    return server if not cpus else dataclasses.replace(server, cmd=["taskset", "-c", cpus, *server.cmd])
+
+
+def tiny_tokenizer(traces: bool) -> Path:
+    """The tiny model's tokenizer, built once into ``.cache/tiny-tokenizer``: its vocabulary
+    trained on the agent trajectories in ``TRACES`` when ``traces`` (and they are there), so
+    agent text tokenizes about as a real model's does; else on generated text, as in a clone
+    without ``../shared`` (the routing benchmarks' committed figures were taken with that one)."""
+    return build_tiny_model(ROOT / ".cache" / "tiny-tokenizer", corpus=TRACES if traces else None,
+                            tokenizer_only=True)
+
+
+def write_report(path: Path, lines: list[str]) -> None:
+    """Write a benchmark's markdown report (``lines``) to ``path``, its folder made, and print it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))

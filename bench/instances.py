@@ -33,11 +33,11 @@ import statistics
 import time
 from pathlib import Path
 
-from router.tools.launch import build_tiny_model, running, sim_server, gateway_server
+from router.tools.launch import running, sim_server, gateway_server
 from router.tools.replay.client import replay
 from router.tools.replay.generate import builtin_workload
 
-from .fleet import ROOT, metric_sum, scrape
+from .fleet import ROOT, metric_sum, scrape, tiny_tokenizer
 from .shapes import generated_shared_prefix
 
 MODEL = "sim"
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="the workloads whose name contains this")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "instances")
     args = parser.parse_args(argv)
-    tokenizer = build_tiny_model(ROOT / ".cache" / "tiny-tokenizer", tokenizer_only=True)
+    tokenizer = tiny_tokenizer(traces=False)
     log_dir = ROOT / ".cache" / "bench-instances"
     log_dir.mkdir(parents=True, exist_ok=True)
     cells = [(1, True), (args.instances, True), (args.instances, False), (1, False)]

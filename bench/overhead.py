@@ -19,10 +19,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from router.tools.launch import build_tiny_model, running, sim_server
+from router.tools.launch import running, sim_server
 from router.tools.replay.summary import percentile
 
-from .fleet import ROOT
+from .fleet import tiny_tokenizer
 from .gateway_overhead import MODEL, conversations, fixed_rate
 from .peers import System, cpu_seconds
 
@@ -56,8 +56,7 @@ def overhead_sweep(systems: list[System], rates: list[float], seconds: float, pe
     Returns {"rates", "rows": [{system, rate, requests, added_ttft_p50_ms, added_ttft_p99_ms,
     direct_ttft_p50_ms, direct_ttft_p99_ms, errors, cpu_s_per_1k}], "sustained": {system: rate}}.
     """
-    tokenizer = build_tiny_model(ROOT / ".cache" / "tiny-tokenizer", corpus=ROOT.parent / "shared" / "agent_traces",
-                                 tokenizer_only=True)
+    tokenizer = tiny_tokenizer(traces=True)
     sim_args = ["--model", MODEL, "--time-scale", "10000", "--tokenizer", str(tokenizer)]
     rows = []
     with running([sim_server(log_dir, sim_args)]) as (replica,):

@@ -23,10 +23,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from router.tools.launch import Server, build_tiny_model, free_port, running, sim_server
+from router.tools.launch import Server, free_port, running, sim_server
 from router.tools.replay.summary import percentile
 
-from .fleet import ROOT
+from .fleet import ROOT, tiny_tokenizer, write_report
 from .gateway_overhead import conversations, fixed_rate
 from .overhead import measured_run
 from .peers import System, ensure_peers
@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     log_dir = ROOT / ".cache" / "bench-overhead-ab"
     log_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_model(ROOT / ".cache" / "tiny-tokenizer", corpus=ROOT.parent / "shared" / "agent_traces",
-                                 tokenizer_only=True)
+    tokenizer = tiny_tokenizer(traces=True)
     peers = ensure_peers()
     trees = {"before": args.before.resolve()} if args.before else {}
     trees["after"] = args.after.resolve()
@@ -95,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         before = statistics.median(r[0] for r in cells[(rate, base)])
         lines.append(f"| {rate:g}/s | {name} | {cpu:.2f} | {statistics.median(r[1] for r in rows):.1f} / "
                      f"{statistics.median(r[2] for r in rows):.1f} | {cpu / before:.2f}x |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, lines)
     return 0
 
 

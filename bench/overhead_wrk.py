@@ -23,7 +23,6 @@ Raises ``SystemExit`` when ``wrk`` is not installed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -33,9 +32,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from router.tools.launch import Server, build_tiny_model, running, sim_server
+from router.tools.launch import running, sim_server
 
-from .fleet import ROOT
+from .fleet import ROOT, pinned, tiny_tokenizer, write_report
 from .gateway_overhead import MODEL, conversations
 from .overhead_ab import FLOOR, PEER, _floor_server
 from .peers import System, cpu_seconds, ensure_peers
@@ -53,10 +52,6 @@ request = function()
   return wrk.format("POST", "/v1/chat/completions", headers, bodies[i])
 end
 """
-
-
-def _pinned(server: Server, cpus: str | None) -> Server:
-    return server if cpus is None else dataclasses.replace(server, cmd=["taskset", "-c", cpus, *server.cmd])
 
 
 def parse_wrk(out: str) -> tuple[int, float, str]:
@@ -112,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("wrk is not installed (Debian: apt-get install wrk)")
     log_dir = ROOT / ".cache" / "bench-overhead-wrk"
     log_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_model(ROOT / ".cache" / "tiny-tokenizer", corpus=ROOT.parent / "shared" / "agent_traces",
-                                 tokenizer_only=True)
+    tokenizer = tiny_tokenizer(traces=True)
     bodies = log_dir / f"bodies-{args.tokens}.jsonl"
     # 4 turns of each conversation: every body ~N tokens, the first turn of each unseen, later
     # turns extending it (the incremental path); none repeats until ``--bodies`` have gone
@@ -127,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     peers = ensure_peers()
     cells: dict[str, list[tuple[float, float, str]]] = {}
     cycled = False
-    sim = _pinned(sim_server(log_dir, ["--model", "sim", "--time-scale", "10000", "--tokenizer", str(tokenizer)]),
+    sim = pinned(sim_server(log_dir, ["--model", "sim", "--time-scale", "10000", "--tokenizer", str(tokenizer)]),
                   others)
     with running([sim]) as (replica,):
         aliases = [replica, replica.replace("127.0.0.1", "localhost")]
@@ -148,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                         aliases, log_dir, None, ("--tokenizer", str(tokenizer)))
                 else:
                     server = PEER.server(aliases, log_dir, peers)
-                server = _pinned(server, pin)
+                server = pinned(server, pin)
                 with running([server]) as (url,):
                     warm, _, _ = wrk_run(url, script, args.connections, 2.0, load_cpus)  # connections, the loop
                     cpu0 = tree_cpu_seconds(server.pid)
@@ -177,9 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"\nSaturation, --workers {args.workers} over --workers 1 (nothing pinned): {many / one:.2f}x "
                      f"({many:.0f} against {one:.0f} requests/s).")
     lines.append(f"\nCommand: `python -m bench.overhead_wrk {' '.join(sys.argv[1:] if argv is None else argv)}`")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, lines)
     return 0
 
 
