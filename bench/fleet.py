@@ -45,12 +45,13 @@ def pinned(server: Server, cpus: str | None) -> Server:
 
 
 def tiny_tokenizer(traces: bool) -> Path:
-    """The tiny model's tokenizer, built once into ``.cache/tiny-tokenizer``: its vocabulary
-    trained on the agent trajectories in ``TRACES`` when ``traces`` (and they are there), so
-    agent text tokenizes about as a real model's does; else on generated text, as in a clone
-    without ``../shared`` (the routing benchmarks' committed figures were taken with that one)."""
-    return build_tiny_model(ROOT / ".cache" / "tiny-tokenizer", corpus=TRACES if traces else None,
-                            tokenizer_only=True)
+    """The tiny model's tokenizer, built once into ``.cache``: its vocabulary trained on the
+    agent trajectories in ``TRACES`` when ``traces`` (and they are there), so agent text
+    tokenizes about as a real model's does; else on generated text, as in a clone without
+    ``../shared`` (the routing benchmarks' committed figures were taken with that one). A
+    folder for each, so that benchmarks run side by side never rebuild each other's."""
+    folder = "tiny-tokenizer-traces" if traces else "tiny-tokenizer-generated"
+    return build_tiny_model(ROOT / ".cache" / folder, corpus=TRACES if traces else None, tokenizer_only=True)
 
 
 def write_report(path: Path, lines: list[str]) -> None:

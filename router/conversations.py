@@ -14,7 +14,8 @@ conversation the gateway remembers the previous request's block hashes and a has
   The client rewrote its own prefix: a timestamp in the system prompt, reordered tools,
   history trimmed in place. Reported with the block where it diverged and the message index.
 - ``miss_routed``: another replica was believed to hold more of the prompt than the engine
-  served (the gateway sent it elsewhere: spill, fallback, no affinity).
+  served (the gateway sent it elsewhere: spill, fallback, no affinity, or balance: a new
+  conversation whose small shared prefix was held elsewhere, placed for the load).
 - ``miss_evicted``: the chosen replica held more than it served: believed cached, or evicted
   lately from the shadow index's LRU (its ghost list). The KV cache is short for the traffic.
 - ``miss_cold``: nothing of the prompt was known anywhere.

@@ -24,9 +24,12 @@
    the in-flight holder bound alone. A hot prefix, one
    system prompt behind most requests, gets no such leave and spreads at the bound.
 3. New work: when the most any replica holds is under ``match_threshold`` of the prompt (but not
-   nothing), the request is mostly new everywhere, and the replica within the bound holding the
-   fewest blocks takes it (``Route.BALANCE``; ties in ring order): where a new conversation
-   starts is where its later turns will stay, and a small shared base (the part of several
+   nothing) and the request opens a conversation (a chat's first turn; for a completion, a
+   match within the prefix many prompts share, ``BranchStats.key_depth``), the request is
+   mostly new everywhere, and the replica within the bound holding the fewest blocks takes it
+   (``Route.BALANCE``; ties in ring order; the holder's leave does not apply). A later turn is
+   never new work, however large its new part: elsewhere its history would be recomputed.
+   Where a new conversation starts is where its later turns will stay, and a small shared base (the part of several
    system prompts they have in common) is not worth piling the conversations that share it onto
    the one replica that computed it first. sglang-router's and vllm-router's ``cache_threshold``
    (0.5) route the same way to the replica with the smallest tree. The cached block count is a
@@ -188,13 +191,16 @@ class PrefixAffinityPolicy:
         self.demand = demand if demand is not None else PrefixDemand(config.share_half_life_s)
 
     def select(self, hashes: Sequence[BlockHash], full_hash: int, replicas: Mapping[str, ReplicaView],
-               session_key: str | None = None, max_hit_blocks: int | None = None) -> Decision:
+               session_key: str | None = None, max_hit_blocks: int | None = None,
+               first_turn: bool | None = None) -> Decision:
         """Choose among ``replicas`` (healthy ones) for a prompt with these block hashes.
 
         ``full_hash``: a hash of the whole prompt, partial last block included (the key when the
         prompt ends inside a shared prefix). ``max_hit_blocks``: the engine never hits the last
-        token, so at most ``(num_tokens - 1) // block_size`` blocks. Raises LookupError when
-        ``replicas`` is empty.
+        token, so at most ``(num_tokens - 1) // block_size`` blocks. ``first_turn``: whether a
+        chat is on its opening turn (``PromptInfo.first_turn``); None when unknown (completions),
+        and then only a match within the prefix many prompts share counts as new work. Raises
+        LookupError when ``replicas`` is empty.
         """
         if not replicas:
             raise LookupError("no healthy replica")
@@ -231,7 +237,10 @@ class PrefixAffinityPolicy:
         if not fitting:  # the share bound turned away everyone within the in-flight bound
             fitting = [r for r in order if within_bound(replicas[r].load, bound)]
         best = matches[preferred]
-        if fitting and 0 < best < cfg.match_threshold * cap:
+        # a later turn is never new work, whatever its new part weighs: its history would be
+        # recomputed wherever else it went
+        opening = first_turn if first_turn is not None else best < depth
+        if fitting and opening and 0 < best < cfg.match_threshold * cap:
             # mostly new work: what a replica holds of it is worth less than where its later
             # turns will stay; the replica holding the least takes it (ties in ring order)
             replica = min(fitting, key=lambda r: len(replicas[r].shadow))
@@ -278,7 +287,7 @@ class _Baseline:
     def order(self, replicas: Mapping[str, ReplicaView]) -> list[str]:
         raise NotImplementedError
 
-    def select(self, hashes, full_hash, replicas, session_key=None, max_hit_blocks=None) -> Decision:
+    def select(self, hashes, full_hash, replicas, session_key=None, max_hit_blocks=None, first_turn=None) -> Decision:
         if not replicas:
             raise LookupError("no healthy replica")
         order = self.order(replicas)

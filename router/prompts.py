@@ -41,6 +41,9 @@ class PromptInfo:
     # The fingerprint ``causes.diagnose`` compares with the conversation's previous request;
     # set by the proxy for requests that belong to a conversation.
     print: RequestPrint | None = None
+    # Chat only: True while no assistant or tool message has been sent (the conversation's
+    # opening turn), False after; None for completions, whose turns cannot be told apart
+    first_turn: bool | None = None
 
 
 def conversation_id(body: dict, session_key: str | None) -> str:
@@ -166,6 +169,7 @@ def analyze(body: dict, chat: bool, tokenizer: PromptTokenizer | None, block_siz
         conversation = conversation_id(body, session_key)
         if first is not None:
             opening = f"o:{digest([model, salt, message_hashes[:first + 2]])}"
+        first_turn = not any(isinstance(m, dict) and m.get("role") in ("assistant", "tool") for m in messages)
         text = None if tokens is not None else _chat_text(body)
     else:
         prompt = body.get("prompt")
@@ -173,6 +177,7 @@ def analyze(body: dict, chat: bool, tokenizer: PromptTokenizer | None, block_siz
             prompt = prompt[0]
         message_hashes = ()
         conversation = session_key or ""
+        first_turn = None
         text = None
         if isinstance(prompt, list) and prompt and _token_ids(prompt):
             tokens = prompt
@@ -190,7 +195,7 @@ def analyze(body: dict, chat: bool, tokenizer: PromptTokenizer | None, block_siz
         full = xxhash.xxh3_64_intdigest(text[len(hashes) * char_block_size:].encode("utf-8", "surrogatepass"),
                                         hashes[-1] if hashes else seed)
         units, exact = len(text), False
-    return PromptInfo(hashes, full, units, exact, message_hashes, conversation, opening)
+    return PromptInfo(hashes, full, units, exact, message_hashes, conversation, opening, first_turn=first_turn)
 
 
 def _block_hashes(tokens, rendered: Tokens | None, block_size: int, seed: BlockHash) -> list[BlockHash]:

@@ -172,6 +172,6 @@ def choose(gw: Gateway, info: PromptInfo, session: str | None, exclude: frozense
         return None
     started = time.perf_counter()
     key = session or (info.opening if gw.config.routing.chat_opening_key else None)
-    decision = gw.policy.select(info.hashes, info.full_hash, views, key, gw.max_hit_blocks(info))
+    decision = gw.policy.select(info.hashes, info.full_hash, views, key, gw.max_hit_blocks(info), info.first_turn)
     gw.metrics.routing_seconds.observe(time.perf_counter() - started)
     return decision

@@ -590,7 +590,7 @@ def test_new_work(case, held, sizes, loads, threshold, expected, route):
     for view, h, size, load in zip(views.values(), held, sizes, loads):
         view.shadow.insert(prompt[:h] + fresh(size - h))
         view.load = load
-    d = select(policy, prompt, views, session_key="new")
+    d = select(policy, prompt, views, session_key="new", first_turn=True)
     want = ring.owner(d.key) if expected == "owner" else NAMES[expected]
     assert d.replica == want
     if route is not None:
@@ -607,7 +607,7 @@ def test_replicas_holding_equally_few_blocks_take_new_work_in_the_ring_order_of_
         view.shadow.insert(fresh(20))
     views[NAMES[0]].shadow.insert(base)  # 22 blocks: not among the fewest
     for i in range(20):
-        d = select(policy, base + fresh(8), views, session_key=f"c{i}")
+        d = select(policy, base + fresh(8), views, session_key=f"c{i}", first_turn=True)
         order = [n for n in ring.candidates(d.key) if n != NAMES[0]]
         assert d.route is Route.BALANCE and d.replica == order[0]
 
@@ -622,7 +622,7 @@ def test_new_conversations_on_a_shared_base_spread_one_a_replica_and_their_later
     conversations = {f"c{i}": base + fresh(6) for i in range(4)}
     homes = {}
     for name, prompt in conversations.items():
-        d = select(policy, prompt, views, session_key=name)
+        d = select(policy, prompt, views, session_key=name, first_turn=True)
         views[d.replica].shadow.insert(prompt)
         _send(policy, views, d.replica, prompt)
         homes[name] = d.replica
@@ -630,7 +630,38 @@ def test_new_conversations_on_a_shared_base_spread_one_a_replica_and_their_later
     for turn in range(3):
         for name in conversations:
             conversations[name] = prompt = conversations[name] + fresh(3)
-            d = select(policy, prompt, views, session_key=name)
+            d = select(policy, prompt, views, session_key=name, first_turn=False)
             assert d.replica == homes[name] and d.route is not Route.BALANCE, (turn, name, d)
             views[d.replica].shadow.insert(prompt)
             _send(policy, views, d.replica, prompt)
+
+
+def test_a_later_turn_that_adds_more_than_its_history_stays_with_its_history():
+    # 10 blocks of history on one replica and a turn that adds 12 (a long tool output): the
+    # holder has under half of the prompt, but moving the turn would recompute the history
+    policy, _, _, views = setup()
+    history = fresh(10)
+    home = NAMES[2]
+    views[home].shadow.insert(history + fresh(30))  # the home replica holds the most blocks too
+    d = select(policy, history + fresh(12), views, session_key="s", first_turn=False)
+    assert d.replica == home and d.route is not Route.BALANCE and d.predicted_blocks == 10
+
+
+@pytest.mark.parametrize("case, shared, held, balances", [
+    # a completion has no turns to read: only a match within the prefix that many prompts share
+    # (its last block seen followed by branch_threshold = 4 different blocks) is new work
+    ("a completion whose holder has only the shared prefix is new work", True, 4, True),
+    ("a completion whose holder has more than the shared prefix follows it", True, 5, False),
+    ("a completion before any prefix is known to be shared follows its holder", False, 4, False),
+])
+def test_new_work_for_completions(case, shared, held, balances):
+    policy, _, branches, views = setup()
+    prefix = fresh(4)
+    if shared:
+        for _ in range(4):
+            branches.record(prefix + fresh(2), 6)
+    prompt = prefix + fresh(12)  # 16 blocks: under half is under 8, so the threshold never decides
+    views[NAMES[1]].shadow.insert(prompt[:held] + fresh(40))
+    d = select(policy, prompt, views)
+    assert (d.route is Route.BALANCE) is balances
+    assert (d.replica == NAMES[1]) is not balances

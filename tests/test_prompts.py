@@ -53,3 +53,15 @@ def test_completions_and_chats_without_a_user_message_have_no_opening():
     assert analyze({"model": MODEL, "prompt": "hello there"}, False, ByteTokenizer(), 16, 64, None).opening is None
     assert _opening(_chat([{"role": "system", "content": "only a system prompt"}])) is None
     assert _opening(_chat("not a list")) is None
+
+
+def test_a_chat_is_on_its_first_turn_until_an_assistant_or_tool_message_is_sent():
+    def first_turn(messages, chat=True):
+        body = {"model": MODEL, "messages": messages} if chat else {"model": MODEL, "prompt": "hi"}
+        return analyze(body, chat, ByteTokenizer(), 16, 64, None).first_turn
+    system, user = {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}
+    assert first_turn([system, user]) is True
+    assert first_turn([system, user, {"role": "user", "content": "and more"}]) is True
+    assert first_turn([system, user, {"role": "assistant", "content": "hello"}, user]) is False
+    assert first_turn([user, {"role": "tool", "content": "42", "tool_call_id": "t"}]) is False
+    assert first_turn(None, chat=False) is None  # a completion's turns cannot be told apart
