@@ -94,8 +94,9 @@ class RoutingConfig:
     # base prompt onto one replica (sglang-router's and vllm-router's cache_threshold, 0.5).
     # Measured (bench.compare --quick, medians of 3, off then on): the built-in agent workload
     # 0.852 -> 0.860 with the busiest replica 1.62x -> 1.17x. It reads this instance's picture:
-    # four instances without KV events lost 2.5-2.8 points with it (bench.instances), so
-    # several instances without events want 0, which turns it off
+    # four instances without KV events reused 0.638 against 0.664 on the built-in mixed
+    # workload with it (0.796 against 0.781 on a dozen agent sessions; bench.instances), so
+    # several instances without events may want 0, which turns it off
     match_threshold: float = 0.5
     # request header whose value keys a session to a replica (multi-turn chats stay together)
     session_header: str = "X-Session-ID"
