@@ -29,9 +29,9 @@
    mostly new everywhere, and the replica within the bound holding the fewest blocks takes it
    (``Route.BALANCE``; ties in ring order; the holder's leave does not apply). A later turn is
    never new work, however large its new part: elsewhere its history would be recomputed.
-   Where a new conversation starts is where its later turns will stay, and a small shared base (the part of several
-   system prompts they have in common) is not worth piling the conversations that share it onto
-   the one replica that computed it first. sglang-router's and vllm-router's ``cache_threshold``
+   Where a new conversation starts is where its later turns will stay, and a small shared base
+   (the part of several system prompts they have in common) is not worth piling the
+   conversations that share it onto the one replica that computed it first. sglang-router's and vllm-router's ``cache_threshold``
    (0.5) route the same way to the replica with the smallest tree. The cached block count is a
    pure function of the view, so instances with KV events (the same view) agree on it; a prompt
    nobody holds any of still goes by the ring. On the built-in agent workload (12 sessions,
@@ -64,7 +64,8 @@ a new chat on a small shared base  the replica within the bound holding the fewe
 The route reported: ``affinity`` when the choice is the key's ring owner, ``sticky`` when another
 replica held more of the prompt, ``balance`` for new work (step 3), ``spill`` when the replica
 preferred without the bound was over it (``spilled_from`` names that one), ``fallback`` for the
-baselines; the proxy labels a retry ``retry``. Complexity: O(replicas x matched blocks) dictionary lookups per request.
+baselines; the proxy labels a retry ``retry``. Complexity: O(replicas x matched blocks)
+dictionary lookups per request.
 
 The policy does no I/O and records nothing: it returns a ``Decision``; the proxy acts on it and
 counts it. ``RoundRobinPolicy`` and ``LeastLoadedPolicy`` are the baselines to compare with.
