@@ -32,9 +32,9 @@
    Where a new conversation starts is where its later turns will stay, and a small shared base
    (the part of several system prompts they have in common) is not worth piling the
    conversations that share it onto the one replica that computed it first. sglang-router's and
-   vllm-router's ``cache_threshold`` (0.5) route the same way to the replica with the smallest tree. The cached block count is a
-   pure function of the view, so instances with KV events (the same view) agree on it; a prompt
-   nobody holds any of still goes by the ring. On the built-in agent workload (12 sessions,
+   vllm-router's ``cache_threshold`` (0.5) route the same way to the replica with the smallest
+   tree. The cached block count is a pure function of the view, so instances with KV events
+   (the same view) agree on it; a prompt nobody holds any of still goes by the ring. On the built-in agent workload (12 sessions,
    four system prompts on a 1,118-token base, 4 replicas) this took the token hit rate from 0.852
    to 0.860 and the busiest replica from 1.62x to 1.17x its share of requests, a dozen agent
    sessions from 0.860 to 0.865 and 1.47x to 1.39x (medians of 3 runs, ``bench.compare --quick
