@@ -34,11 +34,12 @@
    conversations that share it onto the one replica that computed it first. sglang-router's and
    vllm-router's ``cache_threshold`` (0.5) route the same way to the replica with the smallest
    tree. The cached block count is a pure function of the view, so instances with KV events
-   (the same view) agree on it; a prompt nobody holds any of still goes by the ring. On the built-in agent workload (12 sessions,
-   four system prompts on a 1,118-token base, 4 replicas) this took the token hit rate from 0.852
-   to 0.860 and the busiest replica from 1.62x to 1.17x its share of requests, a dozen agent
-   sessions from 0.860 to 0.865 and 1.47x to 1.39x (medians of 3 runs, ``bench.compare --quick
-   --shapes dozen``, the rule off then on, the same hour).
+   (the same view) agree on it; a prompt nobody holds any of still goes by the ring. On the
+   built-in agent workload (12 sessions, four system prompts on a 1,118-token base, 4
+   replicas) this took the token hit rate from 0.852 to 0.860 and the busiest replica from
+   1.62x to 1.17x its share of requests, a dozen agent sessions from 0.860 to 0.865 and 1.47x
+   to 1.39x (medians of 3 runs, ``bench.compare --quick --shapes dozen``, the rule off then
+   on, the same hour).
 4. Choice: among replicas within the bound, the one holding most of the prompt; ties go in ring
    order of the request's key. The key is the session key when the caller gives one (a client's
    session id, or a chat's opening, ``PromptInfo.opening``), else the block chain through the
