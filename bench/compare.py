@@ -49,14 +49,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.policy import Route
 from router.tools.launch import find_vllm_python, running, sim_server
 from router.tools.replay.client import replay
 from router.tools.replay.generate import builtin_workload
 from router.tools.replay.summary import summarize
 from router.tools.replay.workloads import load_mooncake
 
-from .fleet import ROOT, metric_sum, pinned, scrape, tiny_tokenizer
+from .fleet import ROOT, ROUTES, metric_sum, pinned, scrape, tiny_tokenizer
 from .peers import PEER_PACKAGES, SYSTEMS, System, ensure_peers
 from .pooled import pooled_hit_rate, spread_hit_rate, unbounded_hit_rate
 from .shapes import generated_shared_prefix, one_system_prompt
@@ -65,7 +64,6 @@ from .vllm_bench import VLLM_BENCH_SHAPES, VllmBenchShape, run_vllm_bench, shape
 MODEL = "sim"
 TRACES = ROOT.parent / "shared" / "traces"
 DEFAULT_TRACES = (TRACES / "mooncake_conversation.jsonl", TRACES / "mooncake_synthetic.jsonl")
-ROUTES = tuple(r.value for r in Route if r is not Route.RETRY)  # prefix_router_requests_total{route}
 RESULTS = ("hit", "miss_cold", "miss_changed", "miss_routed", "miss_evicted")  # ..._cache_requests_total{result}
 SHAPES = ("gsp", "system", "dozen", "vllm-bench")
 # per mode: SGLang GSP groups and its rate (requests per modelled s), sessions of the shared system

@@ -9,11 +9,14 @@ from pathlib import Path
 
 from router.tools.launch import Server, build_tiny_model, free_port, gateway_server, running, sim_server
 from router.metrics import sample_sum
+from router.policy import Route
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "agent_traces"  # SWE-agent trajectories, where this clone has them
+# the policy's routes, the values of prefix_router_requests_total{route} (retry is the proxy's)
+ROUTES = tuple(r.value for r in Route if r is not Route.RETRY)
 
-__all__ = ["ROOT", "TRACES", "free_port", "fleet", "gateway", "scrape", "metric_sum", "pinned", "tiny_tokenizer",
+__all__ = ["ROOT", "ROUTES", "TRACES", "free_port", "fleet", "gateway", "scrape", "metric_sum", "pinned", "tiny_tokenizer",
            "write_report"]
 
 

@@ -22,12 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-from router.policy import Route
 from router.tools.replay.client import replay
 from router.tools.replay.summary import summarize
 from router.tools.replay.workloads import load_mooncake
 
-from .fleet import ROOT, fleet, gateway, metric_sum, scrape
+from .fleet import ROOT, ROUTES, fleet, gateway, metric_sum, scrape
 from .pooled import pooled_hit_rate
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
@@ -56,7 +55,7 @@ def run_policy(policy: str, requests, args, log_dir: Path) -> dict:
 
     results = by_label("prefix_router_cache_requests_total", "result",
                        ("hit", "miss_cold", "miss_changed", "miss_routed", "miss_evicted"))
-    routes = by_label("prefix_router_requests_total", "route", [r.value for r in Route if r is not Route.RETRY])
+    routes = by_label("prefix_router_requests_total", "route", ROUTES)
     return {
         "policy": policy, "requests": len(records), "errors": summary["errors"], "wall_s": wall,
         "hit_rate": hits / queries if queries else 0.0,

@@ -261,7 +261,7 @@ class PrefixAffinityPolicy:
             route = Route.SPILL
         else:  # the preferred replica holds strictly more than the owner unless it is the owner
             route = Route.AFFINITY if replica == owner else Route.STICKY
-        return Decision(replica, route, predicted_blocks=matches[replica], best_blocks=matches[preferred],
+        return Decision(replica, route, predicted_blocks=matches[replica], best_blocks=best,
                         best_replica=preferred, key_depth=depth, key=key, spilled_from=preferred if route is Route.SPILL else None,
                         matches=matches)
 

@@ -2,8 +2,9 @@
 
 Off by default (``request_log`` in the configuration names the file). Each line holds what the
 gateway decided and what the engine reported, never prompt text: ``t`` (Unix seconds),
-``replica``, ``route`` (affinity, sticky, balance, spill, fallback, retry: ``policy.Route``), ``status``, ``prompt_tokens``,
-``cached_tokens`` (the engine's ``prompt_tokens_details.cached_tokens``),
+``replica``, ``route`` (affinity, sticky, balance, spill, fallback, retry: ``policy.Route``),
+``status``, ``prompt_tokens``, ``cached_tokens`` (the engine's
+``prompt_tokens_details.cached_tokens``),
 ``predicted_cached_tokens`` (what the gateway believed the replica held),
 ``evicted_in_flight_tokens`` (of those, the ones the replica's KV events showed evicted while the
 request waited: they were held when it was routed, and the engine recomputed them), ``result`` (hit or a

@@ -353,8 +353,8 @@ def build_tiny_model(out: Path, python: Path | str = sys.executable, corpus: Pat
                      tokenizer_only: bool = False) -> Path:
     """Build ``router/tools/tiny_model.py``'s tokenizer (and model unless ``tokenizer_only``) into ``out``
     once per ``TINY_MODEL_VERSION`` and corpus (``corpus``: a folder of text to train the
-    vocabulary on, generated text when None or absent); the model needs an interpreter with torch (the vLLM
-    environment). Returns ``out``.
+    vocabulary on, generated text when None or absent); the model needs an interpreter with
+    torch (the vLLM environment). Returns ``out``.
 
     Raises ``subprocess.CalledProcessError`` when the build fails.
     """
