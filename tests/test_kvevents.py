@@ -331,6 +331,12 @@ def test_the_view_holds_exactly_what_the_engine_caches_through_evictions_and_sta
             assert set(v._blocks) == set(scheduler.kv.cached), i
             assert len(v) <= scheduler.kv.num_gpu_blocks
     assert v.orphans == 0 and v.stored > 3 * scheduler.kv.num_gpu_blocks  # it overflowed, many times
+    while scheduler.has_work:
+        scheduler.finish_step(scheduler.schedule(), t := t + 1.0)
+    assert len(v) > 0 and scheduler.kv.reset_prefix_cache()  # POST /reset_prefix_cache, idle
+    for event in decode_batch(encode(*scheduler.kv.take_events())).events:
+        v.apply(event)
+    assert len(v) == 0 and not scheduler.kv.cached
 
 
 class _Raw(bytes):

@@ -352,3 +352,27 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_kv_blocks(aiohttp_
     samples = await metric_samples(client)
     assert samples["vllm:kv_cache_usage_perc"][0].value == 0
     assert samples["vllm:num_requests_running"][0].value == 0
+
+
+async def test_reset_prefix_cache_forgets_every_block_and_is_refused_while_a_request_holds_blocks(aiohttp_client):
+    # vLLM's dev-mode endpoint (BlockPool.reset_prefix_cache): benchmarks reuse replicas with it
+    config = SimConfig(model=MODEL, block_size=16, num_gpu_blocks=256, max_model_len=2048, time_scale=1)
+    client = await make_client(aiohttp_client, config)
+    prompt = prompt_ids(64, start=7000)
+    await complete(client, prompt=prompt, max_tokens=1)
+    stream = await client.post("/v1/completions", json={
+        "model": MODEL, "prompt": prompt_ids(100), "max_tokens": 1000, "stream": True})
+    await stream.content.readline()  # running: it holds blocks
+    refused = await client.post("/reset_prefix_cache")
+    assert (refused.status, await refused.json()) == (200, {"success": False})
+    stream.close()
+    for _ in range(200):
+        done = await (await client.post("/reset_prefix_cache")).json()
+        if done["success"]:
+            break
+        await asyncio.sleep(0.01)
+    assert done == {"success": True}
+    _, again = await complete(client, prompt=prompt, max_tokens=1)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    _, third = await complete(client, prompt=prompt, max_tokens=1)  # it caches again after
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == expected_hit(64, config.block_size)

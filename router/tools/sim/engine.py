@@ -60,6 +60,14 @@ class Engine:
             self.scheduler.abort(request, self._clock_s)
             self.metrics.on_finish(request)
 
+    def reset_prefix_cache(self) -> bool:
+        """``KVCache.reset_prefix_cache``, its ``AllBlocksCleared`` published at once (an idle
+        engine runs no step that would carry it). False while requests hold blocks."""
+        done = self.scheduler.kv.reset_prefix_cache()
+        if done and self.publisher is not None:
+            self.publisher.publish(self.scheduler.kv.take_events())
+        return done
+
     async def run(self) -> None:
         """The engine loop; runs until cancelled."""
         scheduler, config, metrics = self.scheduler, self.config, self.metrics

@@ -36,7 +36,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from ...blocks import BlockHash, extend_block_hashes, seed_hash
-from .kv_events import BlockRemoved, BlockStored
+from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["BlockHash", "Block", "KVCache", "seed_hash", "extend_block_hashes"]
 
@@ -198,6 +198,19 @@ class KVCache:
         for block in reversed(evict_first):
             queue[block.block_id] = block
             queue.move_to_end(block.block_id, last=False)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, as vLLM's ``BlockPool.reset_prefix_cache`` does: refused
+        (False) while any block is held by a request, else True and an ``AllBlocksCleared``
+        event. The query and hit counters are cumulative and keep counting."""
+        if len(self.free_queue) != self.num_gpu_blocks - 1:
+            return False
+        self.cached.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        if self.record_events:
+            self.events.append(AllBlocksCleared())
+        return True
 
     def take_events(self) -> list:
         """The events queued since the last call (``BlockPool.take_events``)."""

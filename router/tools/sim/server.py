@@ -2,7 +2,8 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``,
 ``stream_options.include_usage`` and ``usage.prompt_tokens_details.cached_tokens``),
-``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``GET /metrics``. Response bodies,
+``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``GET /metrics``, ``POST
+/reset_prefix_cache``. Response bodies,
 SSE framing (``data: {...}\\n\\n`` events, then ``data: [DONE]``) and error bodies
 (``{"error": {"message", "type", "param", "code"}}``) were copied from a running vLLM CPU
 replica. Bad input gets a 400 (unknown model: 404), never a 5xx.
@@ -216,6 +217,12 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [card]})
 
 
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's dev-mode ``POST /reset_prefix_cache`` (``VLLM_SERVER_DEV_MODE=1`` there, always on
+    here): ``{"success": bool}``, false while running requests hold blocks."""
+    return web.json_response({"success": request.app[ENGINE].reset_prefix_cache()})
+
+
 async def health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
@@ -286,4 +293,5 @@ def create_app(config: SimConfig, tokenizer: PromptTokenizer) -> web.Application
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/kv_event_sources", kv_event_sources)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     return app
