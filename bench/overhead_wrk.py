@@ -4,11 +4,13 @@ floor of an aiohttp hop and vllm-router ``consistent_hash``, side by side in one
 The Python client of ``bench/overhead.py`` sends at fixed rates and measures added TTFT; this one
 takes the client's own cost out of the picture: ``wrk`` (one thread, ``--connections`` kept
 busy, closed loop) sends ~N-token streaming chats, each body the next turn of one of many
-conversations (``bench.gateway_overhead.conversations``, cycled when the run outlasts them), to
-one simulated replica at 10,000x behind each system. Each system runs alone on the last core
+conversations (``bench.gateway_overhead.conversations``, cycled when the run outlasts them; one
+body in four opens a conversation, ``staggered``), to one simulated replica at 10,000x behind each system. Each system runs alone on the last core
 (``taskset``), the replica and ``wrk`` on the others, so the router's CPU seconds (``/proc``)
 per completed request and its saturation throughput are its own. The systems alternate within
-every repetition, so the machine's noise falls on all of them alike.
+every repetition, so the machine's noise falls on all of them alike. This gateway runs twice: on
+that conversation mix, and on the same bodies with every first turn first (only new prompts: the
+tokenizer's prefix cache never helps).
 
     python -m bench.overhead_wrk [--tokens 1000] [--connections 8] [--seconds 10] [--reps 2] [--workers 2]
 
@@ -40,6 +42,7 @@ from .overhead_ab import FLOOR, PEER, _floor_server
 from .peers import System, cpu_seconds, ensure_peers
 
 GATEWAY = "prefix-router"
+FIRST_TURNS = "prefix-router, first turns only"
 # wrk's Lua: each request the next body of the file (one JSON object a line), in turn
 _SCRIPT = """
 local bodies = {}
@@ -52,6 +55,15 @@ request = function()
   return wrk.format("POST", "/v1/chat/completions", headers, bodies[i])
 end
 """
+
+
+def staggered(count: int, turns: int, window: int = 64) -> list[tuple[int, int]]:
+    """(conversation, turn) pairs in the order ``wrk`` sends them: conversation ``c``'s turn ``t``
+    at slot ``c + t x window``, so that once ``turns x window`` bodies have gone, one body in
+    ``turns`` opens a conversation and the others extend one whose previous turn went
+    ``window`` slots before (long enough to be answered with 8 connections). Shape:
+    ``count x turns`` pairs, each conversation's turns in order."""
+    return sorted(((c, t) for c in range(count) for t in range(turns)), key=lambda p: (p[0] + p[1] * window, p[1]))
 
 
 def parse_wrk(out: str) -> tuple[int, float, str]:
@@ -108,14 +120,22 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = ROOT / ".cache" / "bench-overhead-wrk"
     log_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = tiny_tokenizer(traces=True)
-    bodies = log_dir / f"bodies-{args.tokens}.jsonl"
     # 4 turns of each conversation: every body ~N tokens, the first turn of each unseen, later
-    # turns extending it (the incremental path); none repeats until ``--bodies`` have gone
-    with bodies.open("w") as f:
-        for messages in conversations(args.tokens, max(args.bodies // 4, 1), 4):
-            f.write(json.dumps({"model": MODEL, "messages": messages, "max_tokens": 8, "stream": True}) + "\n")
-    script = log_dir / "bodies.lua"
-    script.write_text(_SCRIPT % bodies)
+    # turns extending it (the incremental path); none repeats until ``--bodies`` have gone.
+    # Two orders of the same bodies: a conversation mix (``staggered``: one body in four opens a
+    # conversation with a system prompt of its own) and every conversation's first turn first
+    # (a run of ~10,000 requests then meets only new ~N-token prompts: the worst case)
+    count = max(args.bodies // 4, 1)
+    rows = conversations(args.tokens, count, 4)  # turn t of conversation c at t x count + c
+    scripts = {}
+    for order, pairs in (("mix", staggered(count, 4)), ("first", [(c, t) for t in range(4) for c in range(count)])):
+        bodies = log_dir / f"bodies-{args.tokens}-{order}.jsonl"
+        with bodies.open("w") as f:
+            for c, t in pairs:
+                body = {"model": MODEL, "messages": rows[t * count + c], "max_tokens": 8, "stream": True}
+                f.write(json.dumps(body) + "\n")
+        scripts[order] = log_dir / f"bodies-{order}.lua"
+        scripts[order].write_text(_SCRIPT % bodies)
     cores = os.cpu_count() or 1
     router_cpu, others = (str(cores - 1), f"0-{cores - 2}") if cores >= 2 else (None, None)
     peers = ensure_peers()
@@ -125,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                   others)
     with running([sim]) as (replica,):
         aliases = [replica, replica.replace("127.0.0.1", "localhost")]
-        names = [GATEWAY, FLOOR, PEER.name]
+        names = [GATEWAY, FIRST_TURNS, FLOOR, PEER.name]
         if args.workers > 1:
             names += [f"{GATEWAY} --workers 1, unpinned", f"{GATEWAY} --workers {args.workers}, unpinned"]
         for _ in range(args.reps):
@@ -137,12 +157,13 @@ def main(argv: list[str] | None = None) -> int:
                         aliases, log_dir, None, ("--tokenizer", str(tokenizer), "--workers", count))
                 elif name == FLOOR:
                     server = _floor_server(replica, log_dir)
-                elif name == GATEWAY:
+                elif name in (GATEWAY, FIRST_TURNS):
                     server = System(name, "prefix-router", "prefix-affinity").server(
                         aliases, log_dir, None, ("--tokenizer", str(tokenizer)))
                 else:
                     server = PEER.server(aliases, log_dir, peers)
                 server = pinned(server, pin)
+                script = scripts["first" if name == FIRST_TURNS else "mix"]
                 with running([server]) as (url,):
                     warm, _, _ = wrk_run(url, script, args.connections, 2.0, load_cpus)  # connections, the loop
                     cpu0 = tree_cpu_seconds(server.pid)
@@ -161,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.reps}; {where}; "
              + ("the bodies ran out and repeated (raise --bodies)." if cycled else
                 f"no body sent twice to one gateway ({args.bodies:,} distinct)."),
+             "", f"Each conversation has 4 turns; each body is the next turn of one, one in four opening a "
+             f"conversation with a ~{args.tokens}-token system prompt of its own (`staggered`), except in "
+             f"`{FIRST_TURNS}`: the same bodies with every first turn first, so a run meets only prompts "
+             "it has never seen.",
              "", f"| system | CPU ms / request | requests/s | wrk latency p50 | CPU vs {PEER.name} |", "|---|---|---|---|---|"]
     for name, rows in cells.items():
         cpu = statistics.median(r[0] for r in rows)

@@ -36,3 +36,17 @@ def test_a_run_with_failed_requests_is_refused(extra):
 def test_output_without_a_latency_distribution_is_refused():
     with pytest.raises(ValueError):
         parse_wrk(REPORT.split("  Latency Distribution")[0])
+
+
+def test_staggered_bodies_keep_each_conversations_turns_in_order_and_open_one_in_four():
+    from bench.overhead_wrk import staggered
+
+    count, turns, window = 500, 4, 64
+    pairs = staggered(count, turns, window)
+    assert sorted(pairs) == [(c, t) for c in range(count) for t in range(turns)]  # each body once
+    at = {pair: i for i, pair in enumerate(pairs)}
+    assert all(at[c, t - 1] < at[c, t] for c in range(count) for t in range(1, turns))
+    assert min(at[c, t] - at[c, t - 1] for c in range(count) for t in range(1, turns)) >= window - 1
+    # slots where every turn has a conversation to take it: past the start, before they run out
+    steady = [(c, t) for c, t in pairs if (turns - 1) * window <= c + t * window < count]
+    assert sum(t == 0 for _, t in steady) / len(steady) == pytest.approx(1 / turns, abs=0.01)
