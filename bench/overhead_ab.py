@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = tiny_tokenizer(traces=True)
     peers = ensure_peers()
     trees = {"before": args.before.resolve()} if args.before else {}
-    trees["after"] = args.after.resolve()
+    trees["after" if args.before else "prefix-router"] = args.after.resolve()
     base = next(iter(trees))  # the ratios' denominator
     cells: dict[tuple[float, str], list[tuple[float, float, float]]] = {}
     sim = sim_server(log_dir, ["--model", "sim", "--time-scale", "10000", "--tokenizer", str(tokenizer)])
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         before = statistics.median(r[0] for r in cells[(rate, base)])
         lines.append(f"| {rate:g}/s | {name} | {cpu:.2f} | {statistics.median(r[1] for r in rows):.1f} / "
                      f"{statistics.median(r[2] for r in rows):.1f} | {cpu / before:.2f}x |")
+    lines.append(f"\nCommand: `python -m bench.overhead_ab {' '.join(sys.argv[1:] if argv is None else argv)}`")
     write_report(args.out, lines)
     return 0
 

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     router_cpu, others = (str(cores - 1), f"0-{cores - 2}") if cores >= 2 else (None, None)
     peers = ensure_peers()
     cells: dict[str, list[tuple[float, float, str]]] = {}
-    cycled = False
+    cycled = first_ran_out = False
     sim = pinned(sim_server(log_dir, ["--model", "sim", "--time-scale", "10000", "--tokenizer", str(tokenizer)]),
                   others)
     with running([sim]) as (replica,):
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                     done, rate, p50 = wrk_run(url, script, args.connections, args.seconds, load_cpus, start=warm)
                     cpu = tree_cpu_seconds(server.pid) - cpu0
                 cycled |= warm + done > args.bodies
+                first_ran_out |= name == FIRST_TURNS and warm + done > count
                 row = (1000 * cpu / done, rate, p50)
                 cells.setdefault(name, []).append(row)
                 print(f"{args.tokens} tokens, wrk {args.connections} connections, {name}: CPU {row[0]:.2f} ms/request, "
@@ -185,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
              "", f"Each conversation has 4 turns; each body is the next turn of one, one in four opening a "
              f"conversation with a ~{args.tokens}-token system prompt of its own (`staggered`), except in "
              f"`{FIRST_TURNS}`: the same bodies with every first turn first, so a run meets only prompts "
-             "it has never seen.",
+             "it has never seen" + (f" (not so here: its runs outlasted the {count:,} first turns; raise --bodies)."
+                                    if first_ran_out else "."),
              "", f"| system | CPU ms / request | requests/s | wrk latency p50 | CPU vs {PEER.name} |", "|---|---|---|---|---|"]
     for name, rows in cells.items():
         cpu = statistics.median(r[0] for r in rows)

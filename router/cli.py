@@ -175,7 +175,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         if problem:  # before the replicas are checked, so the error is the one line printed
             print(f"{name}: {problem}", file=sys.stderr)
             return 1
-        tokenizer = HFTokenizer(config.tokenizer) if config.tokenizer else None
+        tokenizer = (HFTokenizer(config.tokenizer, max_cached_tokens=config.index.tokenizer_cache_tokens)
+                     if config.tokenizer else None)
         app = create_app(config, tokenizer, proxy=args.grpc_port is None)
         if args.grpc_port is not None:
             if config.workers > 1:

@@ -35,6 +35,7 @@ import xxhash
 
 from .chat_template import (TEMPLATE_ARGS, ChatFormatError, compiled_template, normalize_messages,
                             normalize_tools, template_messages)
+from .constants import TOKENIZER_CACHE_TOKENS
 
 __all__ = ["PromptTokenizer", "HFTokenizer", "ByteTokenizer", "ChatFormatError", "KnownPrefix", "Tokens",
            "load_tokenizer", "normalize_messages", "normalize_tools"]
@@ -94,7 +95,7 @@ class HFTokenizer:
     tokens (``<|im_end|>``, ``<|eot_id|>``...) before anything else, so the token ids of the
     text up to the end of a special token never depend on what follows. The ids of each
     rendered prompt up to its last special token are kept (LRU, at most ``max_cached_tokens``
-    token ids, 8 bytes each: 32 MB by default, plus the gateway's block hashes of each entry, about
+    token ids, 8 bytes each: 128 MB at the default ``constants.TOKENIZER_CACHE_TOKENS``, plus the gateway's block hashes of each entry, about
     2.5 bytes a token at block size 16), keyed by a hash of that text; a later prompt starting
     with the same text tokenizes only the rest, and the gateway hashes only its new blocks. Tokenizers whose special tokens strip
     neighbouring whitespace (``lstrip``/``rstrip``) or are normalised break that independence:
@@ -105,7 +106,7 @@ class HFTokenizer:
     cached model, or the folder holds no tokenizer.
     """
 
-    def __init__(self, path: str, *, max_cached_tokens: int = 4_000_000) -> None:
+    def __init__(self, path: str, *, max_cached_tokens: int = TOKENIZER_CACHE_TOKENS) -> None:
         import os
 
         # transformers warns at import that PyTorch is absent; tokenizers need no PyTorch.

@@ -145,3 +145,25 @@ def test_the_compiled_template_renders_what_apply_chat_template_renders(tokenize
         assert tok._render(conversation, normalize_tools(tools), generation, dict(kwargs or {})) == expected
         assert tok.render_chat(messages, tools=tools, add_generation_prompt=generation,
                                chat_template_kwargs=kwargs) == reference_ids(tok, expected)
+
+
+def test_a_next_turn_reuses_its_prefix_while_the_cache_holds_it_and_encodes_anew_once_it_is_gone(tokenizer_dir):
+    # index.tokenizer_cache_tokens: every conversation's first turn keeps its prompt's ids; a
+    # bound below what the conversations in flight need evicts them before their next turn
+    def first_turns(tok, n):
+        history = [[{"role": "system", "content": f"conversation {c}: " + "words of the system prompt " * 20},
+                    {"role": "user", "content": "hello"}] for c in range(n)]
+        for messages in history:
+            tok.render_chat_tokens(messages)
+        return [messages + [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]
+                for messages in history]
+
+    roomy = HFTokenizer(str(tokenizer_dir), max_cached_tokens=100_000)
+    size = len(roomy.render_chat_tokens(first_turns(roomy, 1)[0][:2]).ids)  # one first turn's ids
+    bound = 5 * size  # room for five conversations' first turns, not for twenty
+    small = HFTokenizer(str(tokenizer_dir), max_cached_tokens=bound)
+    later = first_turns(small, 20)
+    assert small._cached_tokens <= bound
+    assert small.render_chat_tokens(later[-1]).known is not None  # the latest is still held
+    assert small.render_chat_tokens(later[0]).known is None  # the oldest was evicted: a full encode
+    assert all(roomy.render_chat_tokens(m).known is not None for m in first_turns(roomy, 20))

@@ -172,6 +172,7 @@ CHECKS: dict[tuple[type, str], _Check] = {
     (IndexConfig, "max_conversations"): _POSITIVE,
     (IndexConfig, "max_responses"): _POSITIVE,
     (IndexConfig, "response_history_mb"): _POSITIVE,
+    (IndexConfig, "tokenizer_cache_tokens"): _POSITIVE,
     (HealthConfig, "interval_s"): _TIME,
     (HealthConfig, "timeout_s"): _TIME,
     (HealthConfig, "unhealthy_after"): _POSITIVE,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..constants import CHAR_BLOCK_SIZE
+from ..constants import CHAR_BLOCK_SIZE, TOKENIZER_CACHE_TOKENS
 
 __all__ = ["POLICIES", "ConfigError", "ReplicaConfig", "RoutingConfig", "IndexConfig", "HealthConfig",
            "ScrapeConfig", "UpstreamConfig", "LimitsConfig", "DiscoveryConfig", "KvEventsConfig", "BreakerConfig",
@@ -125,6 +125,10 @@ class IndexConfig:
     # of those routed by prefix, the histories a ``previous_response_id`` continues, in millions
     # of characters of message text (``response_homes.py``): a bound on their memory
     response_history_mb: int = 64
+    # token ids of rendered prompts kept so that a conversation's next turn tokenizes only its
+    # new text (``tokenizer.HFTokenizer``): 8 bytes each plus ~2.5 of block hashes, so ~170 MB
+    # at the default; too few for the conversations in flight and every turn encodes anew
+    tokenizer_cache_tokens: int = TOKENIZER_CACHE_TOKENS
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
