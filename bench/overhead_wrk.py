@@ -5,9 +5,10 @@ The Python client of ``bench/overhead.py`` sends at fixed rates and measures add
 takes the client's own cost out of the picture: ``wrk`` (one thread, ``--connections`` kept
 busy, closed loop) sends ~N-token streaming chats, each body the next turn of one of many
 conversations (``bench.gateway_overhead.conversations``, cycled when the run outlasts them; one
-body in four opens a conversation, ``staggered``), to one simulated replica at 10,000x behind each system. Each system runs alone on the last core
-(``taskset``), the replica and ``wrk`` on the others, so the router's CPU seconds (``/proc``)
-per completed request and its saturation throughput are its own. The systems alternate within
+body in four opens a conversation, ``staggered``), to one simulated replica at 10,000x behind
+each system. Each system runs alone on the last core (``taskset``), the replica and ``wrk`` on
+the others, so the router's CPU seconds (``/proc``) per completed request and its saturation
+throughput are its own. The systems alternate within
 every repetition, so the machine's noise falls on all of them alike. This gateway runs twice: on
 that conversation mix, and on the same bodies with every first turn first (only new prompts: the
 tokenizer's prefix cache never helps).

@@ -95,9 +95,10 @@ class HFTokenizer:
     tokens (``<|im_end|>``, ``<|eot_id|>``...) before anything else, so the token ids of the
     text up to the end of a special token never depend on what follows. The ids of each
     rendered prompt up to its last special token are kept (LRU, at most ``max_cached_tokens``
-    token ids, 8 bytes each: 128 MB at the default ``constants.TOKENIZER_CACHE_TOKENS``, plus the gateway's block hashes of each entry, about
-    2.5 bytes a token at block size 16), keyed by a hash of that text; a later prompt starting
-    with the same text tokenizes only the rest, and the gateway hashes only its new blocks. Tokenizers whose special tokens strip
+    token ids, 8 bytes each: 128 MB at the default ``constants.TOKENIZER_CACHE_TOKENS``, plus
+    the gateway's block hashes of each entry, about 2.5 bytes a token at block size 16), keyed
+    by a hash of that text; a later prompt starting with the same text tokenizes only the rest,
+    and the gateway hashes only its new blocks. Tokenizers whose special tokens strip
     neighbouring whitespace (``lstrip``/``rstrip``) or are normalised break that independence:
     for those the cache is off. Measured on one core: encoding an 11,000-token agent prompt
     takes about 24 ms, rendering its template 1.4 ms.

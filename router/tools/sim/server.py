@@ -2,11 +2,10 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``,
 ``stream_options.include_usage`` and ``usage.prompt_tokens_details.cached_tokens``),
-``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``GET /metrics``, ``POST
-/reset_prefix_cache``. Response bodies,
-SSE framing (``data: {...}\\n\\n`` events, then ``data: [DONE]``) and error bodies
-(``{"error": {"message", "type", "param", "code"}}``) were copied from a running vLLM CPU
-replica. Bad input gets a 400 (unknown model: 404), never a 5xx.
+``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``GET /metrics``,
+``POST /reset_prefix_cache``. Response bodies, SSE framing (``data: {...}\\n\\n`` events,
+then ``data: [DONE]``) and error bodies (``{"error": {"message", "type", "param", "code"}}``)
+were copied from a running vLLM CPU replica. Bad input gets a 400 (unknown model: 404), never a 5xx.
 
 One difference by design: when a stream falls behind the engine, the tokens generated since
 its last write go out as one SSE event (vLLM sends one event per engine step). Clients see the
