@@ -127,14 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     # conversation with a system prompt of its own) and every conversation's first turn first
     # (a run of ~10,000 requests then meets only new ~N-token prompts: the worst case)
     count = max(args.bodies // 4, 1)
-    rows = conversations(args.tokens, count, 4)  # turn t of conversation c at t x count + c
+    # one JSON line a body, turn t of conversation c at t x count + c: every first turn first
+    lines = [json.dumps({"model": MODEL, "messages": messages, "max_tokens": 8, "stream": True}) + "\n"
+             for messages in conversations(args.tokens, count, 4)]
     scripts = {}
-    for order, pairs in (("mix", staggered(count, 4)), ("first", [(c, t) for t in range(4) for c in range(count)])):
+    for order, at in (("mix", [t * count + c for c, t in staggered(count, 4)]), ("first", range(len(lines)))):
         bodies = log_dir / f"bodies-{args.tokens}-{order}.jsonl"
-        with bodies.open("w") as f:
-            for c, t in pairs:
-                body = {"model": MODEL, "messages": rows[t * count + c], "max_tokens": 8, "stream": True}
-                f.write(json.dumps(body) + "\n")
+        bodies.write_text("".join(lines[i] for i in at))
         scripts[order] = log_dir / f"bodies-{order}.lua"
         scripts[order].write_text(_SCRIPT % bodies)
     cores = os.cpu_count() or 1
