@@ -68,11 +68,12 @@ def run_cell(requests, instances: int, events: bool, args, tokenizer: Path, log_
     sim_args = ["--model", MODEL, "--time-scale", str(args.time_scale), "--tokenizer", str(tokenizer),
                 "--kv-events-config", EVENTS]
     with running([sim_server(log_dir, sim_args) for _ in range(args.replicas)]) as urls:
-        config = log_dir / f"gateway-{'events' if events else 'guess'}.yaml"
+        config = log_dir / f"gateway-{instances}-{'events' if events else 'guess'}.yaml"
         # the replay runs time_scale x faster than the workload's clock: so do the scrapes, or
         # each instance's count of the others' requests (a scrape old) would be time_scale x staler
         interval = args.scrape_interval / args.time_scale
-        config.write_text(f"kv_events: {{enabled: {str(events).lower()}}}\nscrape: {{interval_s: {interval:g}}}\n")
+        config.write_text(f"kv_events: {{enabled: {str(events).lower()}}}\nscrape: {{interval_s: {interval:g}}}\n"
+                          f"routing: {{sole_router: {str(instances == 1).lower()}}}\n")
         gateways = [gateway_server(log_dir, urls, ["--config", str(config), "--tokenizer", str(tokenizer)])
                     for _ in range(instances)]
         with running(gateways) as targets:

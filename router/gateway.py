@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -77,7 +78,9 @@ class Gateway:
         self.ring = Ring(config.routing.virtual_nodes)
         self.branches = BranchStats(config.routing.branch_threshold, config.index.max_branch_blocks)
         self.demand = PrefixDemand(config.routing.share_half_life_s, config.index.max_branch_blocks)
-        self.policy = make_policy(config.routing, self.ring, self.branches, self.demand)
+        # each worker process is an instance of its own, with its own picture
+        routing = replace(config.routing, sole_router=False) if config.workers > 1 else config.routing
+        self.policy = make_policy(routing, self.ring, self.branches, self.demand)
         self.conversations = Conversations(config.index.max_conversations)
         self.response_homes = ResponseHomes(config.index.max_responses, config.index.response_history_mb * 1_000_000)
         self.replicas: dict[str, ReplicaState] = {}

@@ -23,23 +23,26 @@
    replica has requests in flight past the slack (``in_flight_regime``) the holder answers to
    the in-flight holder bound alone. A hot prefix, one
    system prompt behind most requests, gets no such leave and spreads at the bound.
-3. New work: when the most any replica holds is under ``match_threshold`` of the prompt (but not
-   nothing) and the request opens a conversation (a chat's first turn; for a completion, a
-   match within the prefix many prompts share, ``BranchStats.key_depth``), the request is
-   mostly new everywhere, and the replica within the bound holding the fewest blocks takes it
+3. New work: when the most any replica holds is under ``match_threshold`` of the prompt and the
+   request opens a conversation (a chat's first turn; for a completion, a match within the
+   prefix many prompts share, ``BranchStats.key_depth``), the request is mostly new
+   everywhere, and the replica within the bound holding the fewest blocks takes it
    (``Route.BALANCE``; ties in ring order; the holder's leave does not apply). A later turn is
    never new work, however large its new part: elsewhere its history would be recomputed.
    Where a new conversation starts is where its later turns will stay, and a small shared base
    (the part of several system prompts they have in common) is not worth piling the
    conversations that share it onto the one replica that computed it first. sglang-router's and
    vllm-router's ``cache_threshold`` (0.5) route the same way to the replica with the smallest
-   tree. The cached block count is a pure function of the view, so instances with KV events
-   (the same view) agree on it; a prompt nobody holds any of still goes by the ring. On the
-   built-in agent workload (12 sessions, four system prompts on a 1,118-token base, 4
-   replicas) this took the token hit rate from 0.852 to 0.860 and the busiest replica from
-   1.62x to 1.17x its share of requests, a dozen agent sessions from 0.860 to 0.865 and 1.47x
-   to 1.39x (medians of 3 runs, ``bench.compare --quick --shapes dozen``, the rule off then
-   on, the same hour).
+   tree. On the built-in agent workload (12 sessions, four system prompts on a 1,118-token
+   base, 4 replicas) this took the token hit rate from 0.852 to 0.860 and the busiest replica
+   from 1.62x to 1.17x its share of requests, a dozen agent sessions from 0.860 to 0.865 and
+   1.47x to 1.39x (medians of 3 runs, ``bench.compare --quick --shapes dozen``, the rule off
+   then on, the same hour). A prompt nobody holds any of is new work only where this
+   instance's picture is the only one (``routing.sole_router``) or every replica's is its
+   engine's (``ReplicaView.engine``: instances with KV events read the same counts); elsewhere
+   it goes by the ring, where every instance sends it. Placed by the ring, the 32 documents of
+   vLLM's prefix_repetition drew 97, 91, 85 and 47 requests on 4 replicas, and the busiest
+   holders' spills recomputed whole documents.
 4. Choice: among replicas within the bound, the one holding most of the prompt; ties go in ring
    order of the request's key. The key is the session key when the caller gives one (a client's
    session id, or a chat's opening, ``PromptInfo.opening``), else the block chain through the
@@ -58,7 +61,9 @@ a document shared by many prompts  they follow it to its holder, up to the holde
                                    the document is cold; a hot one spills at the bound, is
                                    computed on another replica, and both serve it
 one system prompt, many sessions   everyone holds it (a tie): sessions spread by their own keys
-nothing cached anywhere            the ring owner of the key, or the next within the bound
+nothing cached anywhere            the replica within the bound holding the fewest blocks; with
+                                   several instances and no fresh events, the ring owner of the
+                                   key, or the next within the bound
 a new chat on a small shared base  the replica within the bound holding the fewest blocks
 =================================  =============================================================
 
@@ -112,6 +117,8 @@ class ReplicaView:
     load: int  # requests in flight on it, counted at send (``ReplicaState.routing_load``)
     shadow: ShadowIndex
     recent: float = 0.0  # requests sent to it lately, decayed (``ReplicaState.recent_share``)
+    # ``shadow`` is the engine's own picture (fresh KV events), which every gateway instance reads
+    engine: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +249,12 @@ class PrefixAffinityPolicy:
         # a later turn is never new work, whatever its new part weighs: its history would be
         # recomputed wherever else it went
         opening = first_turn if first_turn is not None else best < depth
-        if fitting and opening and 0 < best < cfg.match_threshold * cap:
+        # a prompt nobody holds any of is new work where this instance's picture is the only
+        # one, or every picture is the engines' (instances agree); else it keeps to the ring,
+        # where every instance would send it
+        if best == 0 and not cfg.sole_router and not all(v.engine for v in replicas.values()):
+            opening = False
+        if fitting and opening and best < cfg.match_threshold * cap:
             # mostly new work: what a replica holds of it is worth less than where its later
             # turns will stay; the replica holding the least takes it (ties in ring order)
             replica = min(fitting, key=lambda r: len(replicas[r].shadow))

@@ -165,9 +165,12 @@ def choose(gw: Gateway, info: PromptInfo, session: str | None, exclude: frozense
     of one model is that model's own consistent-hash ring: a key keeps its place among them."""
     now = time.monotonic()
     half_life = gw.config.routing.share_half_life_s
-    views = {r.name: ReplicaView(r.name, r.routing_load, r.cache_index(info.exact), r.recent_share(now, half_life))
-             for r in gw.replicas.values()
-             if r.routable and r.name not in exclude and (allowed is None or r.name in allowed)}
+    views = {}
+    for r in gw.replicas.values():
+        if r.routable and r.name not in exclude and (allowed is None or r.name in allowed):
+            index = r.cache_index(info.exact)
+            views[r.name] = ReplicaView(r.name, r.routing_load, index, r.recent_share(now, half_life),
+                                        engine=index is not r.shadow)
     if not views:
         return None
     started = time.perf_counter()

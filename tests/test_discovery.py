@@ -151,7 +151,7 @@ async def test_two_gateways_with_the_replicas_in_any_order_choose_the_same_repli
         # runs and count it as load here alone (a slow CI machine did), and shares that never
         # decay, so the instances differ in nothing but the order they list the replicas in.
         config = config_from_dict({"replicas": order, "health": {"interval_s": 5}, "scrape": {"interval_s": 3600},
-                                   "routing": {"share_half_life_s": 1e9}})
+                                   "routing": {"share_half_life_s": 1e9, "sole_router": False}})
         clients.append(await aiohttp_client(create_app(config, ByteTokenizer())))
     rng = random.Random(7)
     systems = [text(rng, 300) for _ in range(3)]
@@ -177,7 +177,8 @@ async def test_a_fresh_instance_sends_a_chats_next_turn_where_another_sent_its_f
     on every one, since neither holds more of a prompt than the other knows."""
     sims = await fleet(4)
     urls = [str(s.make_url("")).rstrip("/") for s in sims]
-    config = config_from_dict({"replicas": urls, "health": {"interval_s": 5}, "scrape": {"interval_s": 5}})
+    config = config_from_dict({"replicas": urls, "health": {"interval_s": 5}, "scrape": {"interval_s": 5},
+                               "routing": {"sole_router": False}})
     first, second = [await aiohttp_client(create_app(config, ByteTokenizer())) for _ in range(2)]
     rng = random.Random(5)
     pairs = []
@@ -245,7 +246,8 @@ async def test_two_gateways_behind_a_round_robin_client_reuse_nearly_as_much_as_
     for instances in (1, 2):
         sims = await fleet(4)
         urls = [str(s.make_url("")).rstrip("/") for s in sims]
-        config = config_from_dict({"replicas": urls, "health": {"interval_s": 1}, "scrape": {"interval_s": 0.5}})
+        config = config_from_dict({"replicas": urls, "health": {"interval_s": 1}, "scrape": {"interval_s": 0.5},
+                                   "routing": {"sole_router": instances == 1}})
         gateways = [await aiohttp_server(create_app(config, ByteTokenizer())) for _ in range(instances)]
         records = await replay(requests, [str(g.make_url("")) for g in gateways], model=MODEL, time_scale=50,
                                session_header=session_header)

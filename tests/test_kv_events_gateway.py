@@ -137,7 +137,8 @@ async def _hit_rate(fleet, aiohttp_server, requests, instances: int, events: boo
     sims = await fleet(4, kv_events=EVENTS)
     urls = [str(s.make_url("")).rstrip("/") for s in sims]
     config = config_from_dict({"replicas": urls, "health": {"interval_s": 1}, "scrape": {"interval_s": 0.1},
-                               "kv_events": {"enabled": events}, "routing": _NO_SPILL})
+                               "kv_events": {"enabled": events},
+                               "routing": {**_NO_SPILL, "sole_router": instances == 1}})
     servers = [await aiohttp_server(create_app(config, ByteTokenizer())) for _ in range(instances)]
     for _ in range(300):
         if not events or all(r.stream is not None and r.stream.fresh

@@ -18,6 +18,11 @@ NAMES = [f"replica-{i}:8000" for i in range(4)]
 _fresh = itertools.count(10_000)
 
 
+# The ring with bounded loads on its own: new work off (match_threshold 0), so a prompt nobody
+# holds goes by its key, as it does for several instances without KV events
+RING_ONLY = RoutingConfig(match_threshold=0.0)
+
+
 def fresh(n: int) -> list[BlockHash]:
     return [BlockHash(next(_fresh)) for _ in range(n)]
 
@@ -61,7 +66,7 @@ def assert_retries_reach_every_replica(policy, hashes, decision, views):
 # --- affinity ------------------------------------------------------------------------------
 
 def test_an_idle_fleet_sends_each_prompt_to_the_ring_owner_of_its_key():
-    policy, ring, _, views = setup()
+    policy, ring, _, views = setup(RING_ONLY)
     owners = Counter()
     for _ in range(200):
         hashes = fresh(6)
@@ -144,7 +149,7 @@ def _owner_and_views(config, owner_load, other_load):
 
 
 def test_an_owner_over_the_bound_spills_to_the_next_ring_candidate():
-    config = RoutingConfig(load_factor=1.25, load_slack=1)
+    config = RoutingConfig(load_factor=1.25, load_slack=1, match_threshold=0.0)
     # owner 5, others 2: mean 12 / 4 = 3, ceil(max(3.75, 4)) = 4, and 5 + 1 > 4
     policy, ring, views, hashes, owner = _owner_and_views(config, owner_load=5, other_load=2)
     d = select(policy, hashes, views)
@@ -155,7 +160,7 @@ def test_an_owner_over_the_bound_spills_to_the_next_ring_candidate():
 
 
 def test_an_owner_at_the_bound_keeps_the_request():
-    config = RoutingConfig(load_factor=1.25, load_slack=1)
+    config = RoutingConfig(load_factor=1.25, load_slack=1, match_threshold=0.0)
     # owner 3, others 2: mean 10 / 4 = 2.5, ceil(max(3.125, 3.5)) = 4, and 3 + 1 <= 4
     policy, _, views, hashes, owner = _owner_and_views(config, owner_load=3, other_load=2)
     d = select(policy, hashes, views)
@@ -163,7 +168,7 @@ def test_an_owner_at_the_bound_keeps_the_request():
 
 
 def test_the_spill_walks_the_ring_past_every_replica_over_the_bound():
-    policy, ring, _, views = setup(RoutingConfig(load_factor=1.0, load_slack=0))
+    policy, ring, _, views = setup(RoutingConfig(load_factor=1.0, load_slack=0, match_threshold=0.0))
     hashes = fresh(4)
     order = ring.candidates(select(policy, hashes, views).key)
     for name, load in zip(order, [3, 3, 1, 1]):  # ceil(9 / 4) = 3: the first two are full
@@ -173,7 +178,7 @@ def test_the_spill_walks_the_ring_past_every_replica_over_the_bound():
 
 
 def test_a_spill_goes_to_the_fitting_replica_holding_most_of_the_prompt_not_just_the_next_one():
-    policy, ring, _, views = setup(RoutingConfig(load_factor=1.0, load_slack=0))
+    policy, ring, _, views = setup(RoutingConfig(load_factor=1.0, load_slack=0, match_threshold=0.0))
     hashes = fresh(6)
     order = ring.candidates(select(policy, hashes, views).key)
     views[order[0]].shadow.insert(hashes)  # the owner holds it all but is full
@@ -212,8 +217,9 @@ def test_documents_each_wanted_by_a_few_requests_stay_on_one_holder_each_past_th
     # SGLang's generated-shared-prefix shape: 8 documents, questions about each in turn, all in
     # flight. Each document draws 1/8 of the demand, and 1/8 x 4 replicas <= 1 holder: cold, so
     # its holder keeps its questions past the bound (up to the holder bound) instead of
-    # computing the document a second time elsewhere.
-    policy, _, _, views = setup()
+    # computing the document a second time elsewhere. The documents are placed by the ring
+    # (new work off), which gives some replicas more of them than others.
+    policy, _, _, views = setup(RING_ONLY)
     docs = [[BlockHash(100 * d + i) for i in range(20)] for d in range(8)]  # fixed: the ring's spread is known
     holders = {d: set() for d in range(8)}
     for q in range(64):
@@ -228,6 +234,28 @@ def test_documents_each_wanted_by_a_few_requests_stay_on_one_holder_each_past_th
     loads = sorted(v.load for v in views.values())
     assert loads[-1] > load_bound(63, 4, 1.25, 1)  # the plain bound would have replicated
     assert loads[-1] <= load_bound(63, 4, 2.0, 2)
+
+
+def test_documents_nobody_holds_are_new_work_and_spread_evenly_before_their_questions_follow():
+    # The same 8 documents with new work on (the default): the first question of each finds
+    # nothing anywhere, so it goes to the replica holding the fewest blocks, not the ring owner
+    # of its key; each replica gets two documents (2 x 21 blocks), and every later question
+    # follows its document's one holder, so the loads come out equal: 64 / 4 = 16 each.
+    policy, _, _, views = setup()
+    docs = [[BlockHash(100 * d + i) for i in range(20)] for d in range(8)]
+    holders = {d: set() for d in range(8)}
+    for q in range(64):
+        d = q % 8
+        hashes = docs[d] + [BlockHash(5_000 + q)]
+        decision = select(policy, hashes, views)
+        assert (decision.route is Route.BALANCE) is (q < 8), (q, decision)
+        views[decision.replica].shadow.insert(hashes)
+        views[decision.replica].load += 1
+        wanted(policy, hashes)
+        holders[d].add(decision.replica)
+    assert all(len(h) == 1 for h in holders.values()), holders
+    assert Counter(next(iter(h)) for h in holders.values()) == {name: 2 for name in NAMES}
+    assert sorted(v.load for v in views.values()) == [16] * 4
 
 
 # --- the longest cached prefix --------------------------------------------------------------
@@ -573,8 +601,10 @@ NEW_WORK_CASES = [
      [0, 4, 0, 0], [50, 40, 5, 30], [0, 0, 0, 0], 0.5, 2, Route.BALANCE),
     ("a prompt of which a replica holds half follows that replica",
      [0, 5, 0, 0], [50, 40, 5, 30], [0, 0, 0, 0], 0.5, 1, None),
-    ("a prompt nobody holds any of goes to the ring owner of its key",
-     [0, 0, 0, 0], [50, 40, 5, 30], [0, 0, 0, 0], 0.5, "owner", Route.AFFINITY),
+    ("a prompt nobody holds any of is new work too, for the replica holding the fewest blocks",
+     [0, 0, 0, 0], [50, 40, 5, 30], [0, 0, 0, 0], 0.5, 2, Route.BALANCE),
+    ("a threshold of 0 sends a prompt nobody holds any of to the ring owner of its key",
+     [0, 0, 0, 0], [50, 40, 5, 30], [0, 0, 0, 0], 0.0, "owner", Route.AFFINITY),
     ("a threshold of 0 turns new work off and the little that is held is followed",
      [0, 4, 0, 0], [50, 40, 5, 30], [0, 0, 0, 0], 0.0, 1, None),
     ("the replica holding the fewest blocks is passed over while it is over the load bound",
@@ -598,6 +628,27 @@ def test_new_work(case, held, sizes, loads, threshold, expected, route):
     else:  # followed the holder: sticky, or affinity where the holder is the key's owner
         assert d.route in (Route.STICKY, Route.AFFINITY)
     assert d.best_blocks == max(held) and d.predicted_blocks == held[NAMES.index(want)]
+
+
+@pytest.mark.parametrize("case, sole, engine_views, balances", [
+    ("the only router places a prompt nobody holds as new work", True, [False] * 4, True),
+    ("one of several instances sends a prompt nobody holds to the ring owner, as every instance would",
+     False, [False] * 4, False),
+    ("one of several instances balances it when every replica's picture is its engine's", False, [True] * 4, True),
+    ("one of several instances keeps it on the ring while one replica's events are not fresh",
+     False, [True, True, True, False], False),
+])
+def test_a_prompt_nobody_holds(case, sole, engine_views, balances):
+    policy, ring, _, views = setup(RoutingConfig(sole_router=sole))
+    for i, (view, engine) in enumerate(zip(views.values(), engine_views)):
+        view.shadow.insert(fresh(10 + 10 * i))  # the ring owner is rarely the one holding the fewest
+        view.engine = engine
+    for i in range(20):
+        d = select(policy, fresh(10), views, session_key=f"s{i}", first_turn=True)
+        if balances:
+            assert d.route is Route.BALANCE and d.replica == NAMES[0], (case, d)
+        else:
+            assert d.route is Route.AFFINITY and d.replica == ring.owner(d.key), (case, d)
 
 
 def test_replicas_holding_equally_few_blocks_take_new_work_in_the_ring_order_of_its_key():

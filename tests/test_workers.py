@@ -160,3 +160,15 @@ def _state(pid: int) -> str:
         return "zombie" if (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z") else "alive"
     except OSError:
         return "zombie"
+
+
+def test_each_worker_routes_as_one_of_several_instances():
+    # N workers are N pictures of the caches: a prompt nobody holds must go where every one of
+    # them would send it (the ring), whatever routing.sole_router says
+    from router.config import config_from_dict
+    from router.gateway import Gateway
+
+    for workers, sole in ((1, True), (2, False)):
+        config = config_from_dict({"replicas": ["http://127.0.0.1:9"], "workers": workers})
+        assert config.routing.sole_router is True
+        assert Gateway(config, None).policy.config.sole_router is sole

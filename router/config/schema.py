@@ -98,6 +98,15 @@ class RoutingConfig:
     # workload with it (0.796 against 0.781 on a dozen agent sessions; bench.instances), so
     # several instances without events may want 0, which turns it off
     match_threshold: float = 0.5
+    # this gateway is the only router in front of these replicas (one instance, workers 1): a
+    # prompt nobody holds any of is new work too, placed by this instance's picture on the
+    # replica holding the fewest blocks, not by the ring. Several instances, or workers above 1,
+    # keep it on the ring, where every instance puts it, until every replica's KV events are
+    # fresh (one picture for all). Measured (bench.compare --quick, medians of 3, same hour):
+    # vLLM's prefix_repetition chat 0.787 -> 0.796 with the busiest replica 1.20x -> 1.05x,
+    # completions 0.800 -> 0.800 at 1.26x -> 1.05x, SGLang's shared-prefix shape 0.879 -> 0.882
+    # (the pooled bound) at 1.25x -> 1.00x: the ring placed documents unevenly
+    sole_router: bool = True
     # request header whose value keys a session to a replica (multi-turn chats stay together)
     session_header: str = "X-Session-ID"
     # use the OpenAI ``user`` field as a session key when no session header is present
