@@ -105,7 +105,9 @@ class RoutingConfig:
     # fresh (one picture for all). Measured (bench.compare --quick, medians of 3, same hour):
     # vLLM's prefix_repetition chat 0.787 -> 0.796 with the busiest replica 1.20x -> 1.05x,
     # completions 0.800 -> 0.800 at 1.26x -> 1.05x, SGLang's shared-prefix shape 0.879 -> 0.882
-    # (the pooled bound) at 1.25x -> 1.00x: the ring placed documents unevenly
+    # (the pooled bound) at 1.25x -> 1.00x: the ring placed documents unevenly. A second A/B a
+    # day later (3 runs each, same hour): chat 0.796 -> 0.791 at 1.25x -> 1.05x, completions
+    # 0.800 -> 0.805 at 1.16x -> 1.10x: the balance holds, the hit rate moves within the noise
     sole_router: bool = True
     # request header whose value keys a session to a replica (multi-turn chats stay together)
     session_header: str = "X-Session-ID"
