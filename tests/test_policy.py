@@ -588,6 +588,27 @@ def test_once_requests_are_in_flight_everywhere_a_cold_holder_answers_to_the_in_
     assert d.route is (Route.STICKY if keeps else Route.SPILL), case
 
 
+@pytest.mark.parametrize("case, sole_router, hot, keeps", [
+    # shares 9, 1, 1, 1 on an idle fleet: past the holder's share bound, ceil(max(1.5 x 13 / 4,
+    # 13 / 4 + 2)) = 6, which turns the only router's holder away (the case above)
+    ("the only router counts every request: the share bound turns the holder away", True, False, False),
+    # one of several instances counts its own part: the holder answers to the in-flight holder
+    # bound alone, ceil(max(2 x 1 / 4, 1 / 4 + 2)) = 3, and 0 + 1 <= 3
+    ("one of several instances keeps a cold history on its holder", False, False, True),
+    # a hot prefix has no holder's leave, whoever counts
+    ("one of several instances still spreads a hot prefix", False, True, False),
+])
+def test_one_of_several_instances_does_not_judge_a_holder_by_its_own_share_counts(case, sole_router, hot, keeps):
+    policy, _, _, views = setup(RoutingConfig(sole_router=sole_router))
+    hashes = fresh(8)
+    owner, holder = _holder_of_history(policy, views, hashes, hot=hot)
+    for name in NAMES:
+        views[name].recent = 9 if name == holder else 1
+    d = select(policy, hashes, views)
+    assert d.replica == (holder if keeps else owner), (case, d)
+    assert d.route is (Route.STICKY if keeps else Route.SPILL), case
+
+
 # --- new work: a prompt mostly new everywhere -----------------------------------------------
 
 # (case, blocks of the 10-block prompt each replica holds, blocks each holds in all, loads,
