@@ -147,6 +147,28 @@ async def test_a_streamed_chat_starts_with_the_assistant_role_and_counts_max_tok
     assert len(text.split()) == 9
 
 
+async def test_a_streamed_chat_sends_its_role_chunk_with_the_first_token_after_the_prefill(aiohttp_client):
+    # vLLM yields the role chunk on the engine's first output (``first_iteration`` in
+    # OpenAIServingChat.chat_completion_stream_generator); vllm bench serve times a chat's first
+    # token at that chunk. In real time (time_scale 1) a 1,000-token prefill takes
+    # 1,000 / prefill_tokens_per_s of modelled time; the first chunk may not come before it.
+    config = SimConfig(model=MODEL, block_size=16, num_gpu_blocks=256, max_model_len=2048, time_scale=1)
+    client = await make_client(aiohttp_client, config)
+    messages = [{"role": "user", "content": "x" * 1000}]
+    started = asyncio.get_running_loop().time()
+    resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 50,
+                                                           "stream": True})
+    assert resp.status == 200
+    first = await resp.content.readuntil(b"\n\n")
+    waited = asyncio.get_running_loop().time() - started
+    prefill_s = config.step_seconds(len(ByteTokenizer().render_chat(messages)), 0)
+    assert json.loads(first[len(b"data: "):])["choices"][0]["delta"]["role"] == "assistant"
+    assert waited >= prefill_s, (waited, prefill_s)
+    second = json.loads((await resp.content.readuntil(b"\n\n"))[len(b"data: "):])
+    assert second["choices"][0]["delta"]["content"], "the first token comes with the role chunk"
+    resp.close()
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", {"prompt": "no usage please"}),
     ("/v1/chat/completions", {"messages": CHAT_MESSAGES}),

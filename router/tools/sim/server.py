@@ -133,9 +133,12 @@ async def _stream(request, sim_req: SimRequest, wake: _Stream, params: Completio
     await response.prepare(request)
     obj = "chat.completion.chunk" if chat else "text_completion"
     head = f'{{"id":"{sim_req.request_id}","object":"{obj}","created":{created},"model":{json.dumps(params.model)},"choices":['
-    if chat:
-        await response.write(f'data: {head}{{"index":0,"delta":{{"role":"assistant","content":""}},'
-                             f'"logprobs":null,"finish_reason":null}}]}}\n\n'.encode())
+    # vLLM sends a chat's role chunk with the first output the engine yields, after the prefill
+    # (``OpenAIServingChat.chat_completion_stream_generator``, ``first_iteration``), not when
+    # the stream opens: a client that times the first chunk (``vllm bench serve`` does) measures
+    # the prefill, as against vLLM
+    opening = (f'data: {head}{{"index":0,"delta":{{"role":"assistant","content":""}},'
+               f'"logprobs":null,"finish_reason":null}}]}}\n\n') if chat else ""
     sent = 0
     decode = tokenizer.decode_token
     while True:
@@ -152,7 +155,8 @@ async def _stream(request, sim_req: SimRequest, wake: _Stream, params: Completio
             choice = f'{{"index":0,"delta":{{"content":{text}}},"logprobs":null,"finish_reason":{reason}}}'
         else:
             choice = f'{{"index":0,"text":{text},"logprobs":null,"finish_reason":{reason},"stop_reason":null}}'
-        chunk = f"data: {head}{choice}]}}\n\n"
+        chunk = f"{opening}data: {head}{choice}]}}\n\n"
+        opening = ""
         if finished:
             if params.include_usage:
                 usage = json.dumps(_usage(sim_req), separators=(",", ":"))
