@@ -327,7 +327,7 @@ def test_a_replica_holding_a_cold_history_keeps_it_past_the_bound_up_to_the_hold
     assert d.route is (Route.STICKY if keeps else Route.SPILL)
 
 
-def test_a_shared_system_prompt_held_by_every_replica_leaves_the_choice_to_the_ring():
+def test_a_shared_system_prompt_held_by_every_idle_replica_leaves_the_choice_to_the_ring():
     policy, ring, _, views = setup()
     system = fresh(5)
     for view in views.values():
@@ -339,6 +339,52 @@ def test_a_shared_system_prompt_held_by_every_replica_leaves_the_choice_to_the_r
         assert d.replica == ring.owner(d.key) and d.route is Route.AFFINITY  # a tie: the key decides
         placed[d.replica] += 1
     assert set(placed) == set(NAMES) and max(placed.values()) < 2 * 200 / len(NAMES), placed
+
+
+# (case, sole_router, engine views, the session key (None: a request naming no conversation),
+#  blocks of the 8-block prompt each replica in ring order holds, loads in flight, recent
+#  shares, the replica chosen by ring position, route).
+# Loads sum to at most 3: mean (3 + 1) / 4 = 1, the bound ceil(max(1.25 x 1, 1 + 1)) = 2, so a
+# replica with 1 in flight fits and none here is over it; shares sum to at most 6: mean 1.75,
+# the share bound ceil(max(2.19, 2.75)) = 3, and a share of 2 fits.
+EQUAL_HOLDER_CASES = [
+    ("the only router sends a prefix every replica holds to the least loaded holder",
+     True, False, None, [5, 5, 5, 5], [1, 1, 0, 1], [0, 0, 0, 0], 2, Route.BALANCE),
+    ("between equal loads the holder sent the fewest requests lately takes it",
+     True, False, None, [5, 5, 5, 5], [0, 0, 0, 0], [2, 1, 2, 1], 1, Route.BALANCE),
+    ("with equal loads and shares the ring decides, where every instance would send it",
+     True, False, None, [5, 5, 5, 5], [0, 0, 0, 0], [0, 0, 0, 0], 0, Route.AFFINITY),
+    ("the least loaded owner among the holders is plain affinity",
+     True, False, None, [5, 5, 5, 5], [0, 1, 1, 1], [0, 0, 0, 0], 0, Route.AFFINITY),
+    ("only replicas holding the most are compared: a less loaded one holding less loses",
+     True, False, None, [5, 5, 6, 6], [0, 0, 1, 1], [0, 0, 0, 0], 2, Route.STICKY),
+    ("one of several instances without KV events leaves equal holders to the ring",
+     False, False, None, [5, 5, 5, 5], [1, 1, 0, 1], [0, 0, 0, 0], 0, Route.AFFINITY),
+    ("several instances reading every engine's own events tell equal holders apart by load",
+     False, True, None, [5, 5, 5, 5], [1, 1, 0, 1], [0, 0, 0, 0], 2, Route.BALANCE),
+    ("replicas holding nothing are left to the ring, whatever their loads",
+     True, False, None, [0, 0, 0, 0], [1, 1, 0, 1], [0, 0, 0, 0], 0, Route.AFFINITY),
+    ("a conversation's first turn goes to the least loaded holder, not its key's owner",
+     True, False, "conversation-7", [5, 5, 5, 5], [1, 1, 0, 1], [0, 0, 0, 0], 2, Route.BALANCE),
+    ("a conversation's first turn goes to its key's owner where instances have no common picture",
+     False, False, "conversation-7", [5, 5, 5, 5], [1, 1, 0, 1], [0, 0, 0, 0], 0, Route.AFFINITY),
+]
+
+
+@pytest.mark.parametrize("case, sole, engine, session, held, loads, shares, expected, route", EQUAL_HOLDER_CASES,
+                         ids=[c[0] for c in EQUAL_HOLDER_CASES])
+def test_replicas_holding_equal_parts_of_the_prompt(case, sole, engine, session, held, loads, shares, expected,
+                                                    route):
+    # match_threshold 0: no new work, so the tie-break is all that decides
+    policy, ring, _, views = setup(RoutingConfig(sole_router=sole, match_threshold=0.0))
+    prompt = fresh(8)
+    order = ring.candidates(select(policy, prompt, views, session_key=session).key)
+    for name, blocks, load, share in zip(order, held, loads, shares):
+        views[name] = ReplicaView(name, load, ShadowIndex(10_000), recent=share, engine=engine)
+        views[name].shadow.insert(prompt[:blocks])
+    d = select(policy, prompt, views, session_key=session)
+    assert d.replica == order[expected], (case, d)
+    assert d.route is route, (case, d)
 
 
 def test_a_replica_that_alone_holds_more_of_a_shared_prefix_does_not_take_everything():
