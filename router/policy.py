@@ -44,9 +44,13 @@
    from 1.62x to 1.17x its share of requests, a dozen agent sessions from 0.860 to 0.865 and
    1.47x to 1.39x (medians of 3 runs, ``bench.compare --quick --shapes dozen``, the rule off
    then on, the same hour). A prompt nobody holds any of is new work only where this
-   instance's picture is the only one (``routing.sole_router``) or every replica's is its
-   engine's (``ReplicaView.engine``: instances with KV events read the same counts); elsewhere
-   it goes by the ring, where every instance sends it. Placed by the ring, the 32 documents of
+   instance is the only router (``routing.sole_router``); elsewhere it goes by the ring, where
+   every instance sends it. KV events do not make several instances agree here: an engine
+   publishes a prefix's blocks once it has computed them, and until then every instance sees
+   the same replica holding the fewest blocks. On SGLang's generated-shared-prefix shape four
+   instances with events placed new documents there in bursts (seven in under a second on one
+   replica), and a document's next question reaching another instance before the events
+   placed it again: 21 computations of 16 documents a run (2 runs, request logs). Placed by the ring, the 32 documents of
    vLLM's prefix_repetition drew 97, 91, 85 and 47 requests on 4 replicas, and the busiest
    holders' spills recomputed whole documents.
 4. Choice: among replicas within the bound, the one holding most of the prompt; ties go in ring
@@ -285,10 +289,10 @@ class PrefixAffinityPolicy:
         # a later turn is never new work, whatever its new part weighs: its history would be
         # recomputed wherever else it went
         opening = first_turn if first_turn is not None else best < depth
-        # a prompt nobody holds any of is new work where this instance's picture is the only
-        # one, or every picture is the engines' (instances agree); else it keeps to the ring,
-        # where every instance would send it
-        if best == 0 and not shared:
+        # a prompt nobody holds any of is new work only where this instance is the only router;
+        # several keep it on the ring, where every instance sends it at once: their pictures,
+        # the engines' own included, show a prefix only once a replica has computed it
+        if best == 0 and not cfg.sole_router:
             opening = False
         if fitting and opening and best < cfg.match_threshold * cap:
             # mostly new work: what a replica holds of it is worth less than where its later

@@ -701,9 +701,9 @@ def test_new_work(case, held, sizes, loads, threshold, expected, route):
     ("the only router places a prompt nobody holds as new work", True, [False] * 4, True),
     ("one of several instances sends a prompt nobody holds to the ring owner, as every instance would",
      False, [False] * 4, False),
-    ("one of several instances balances it when every replica's picture is its engine's", False, [True] * 4, True),
-    ("one of several instances keeps it on the ring while one replica's events are not fresh",
-     False, [True, True, True, False], False),
+    ("one of several instances keeps it on the ring even when every replica's picture is its engine's",
+     False, [True] * 4, False),
+    ("the only router balances it whatever its pictures", True, [True, True, True, False], True),
 ])
 def test_a_prompt_nobody_holds(case, sole, engine_views, balances):
     policy, ring, _, views = setup(RoutingConfig(sole_router=sole))
