@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import platform
 import statistics
@@ -43,6 +44,9 @@ from .shapes import generated_shared_prefix
 MODEL = "sim"
 EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
                      "replay_endpoint": "tcp://127.0.0.1:*"})
+
+
+_cells = itertools.count()
 
 
 def workloads(quick: bool) -> list[tuple[str, list]]:
@@ -74,8 +78,13 @@ def run_cell(requests, instances: int, events: bool, args, tokenizer: Path, log_
         interval = args.scrape_interval / args.time_scale
         config.write_text(f"kv_events: {{enabled: {str(events).lower()}}}\nscrape: {{interval_s: {interval:g}}}\n"
                           f"routing: {{sole_router: {str(instances == 1).lower()}}}\n")
-        gateways = [gateway_server(log_dir, urls, ["--config", str(config), "--tokenizer", str(tokenizer)])
-                    for _ in range(instances)]
+        logs = args.request_logs
+        if logs is not None:  # one file per instance: instances/events/run, the rest a counter
+            logs = logs / f"{instances}-{'events' if events else 'guess'}-{next(_cells)}"
+            logs.mkdir(parents=True, exist_ok=True)
+        gateways = [gateway_server(log_dir, urls, ["--config", str(config), "--tokenizer", str(tokenizer),
+                                                   *(["--request-log", str(logs / f"gateway-{i}.jsonl")] if logs else [])])
+                    for i in range(instances)]
         with running(gateways) as targets:
             if events:
                 _wait_for_streams(targets)
@@ -101,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
     parser.add_argument("--only", help="the workloads whose name contains this")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "instances")
+    parser.add_argument("--request-logs", type=Path,
+                        help="a folder for every gateway's request log (routes, predictions, miss kinds)")
     args = parser.parse_args(argv)
     tokenizer = tiny_tokenizer(traces=False)
     log_dir = ROOT / ".cache" / "bench-instances"
