@@ -26,9 +26,10 @@
    traffic. On a dozen agent sessions behind four instances with KV events (``bench.instances``'
    workload, 6 runs each, the same hour) the holder's share bound counted on a quarter of the
    requests moved 3-5 conversations a run off their history: token hit rate 0.847 with it,
-   0.872 without, one instance 0.862-0.866; SGLang's shape 0.863 -> 0.874 (3 runs), the mixed
-   workload 0.714 -> 0.715, at a busiest replica 1.10-1.19x -> 1.17-1.27x there. A hot prefix, one
-   system prompt behind most requests, gets no such leave and spreads at the bound.
+   0.872 without, one instance 0.862-0.866; SGLang's shape 0.863 -> 0.874 (3 runs; 0.863-0.869
+   in later runs of the same code: the rest of its gap was new work, step 3), the mixed
+   workload 0.714 -> 0.715, at a busiest replica 1.10-1.19x -> 1.17-1.27x there. A hot prefix,
+   one system prompt behind most requests, gets no such leave and spreads at the bound.
 3. New work: when the most any replica holds is under ``match_threshold`` of the prompt and the
    request opens a conversation (a chat's first turn; for a completion, a match within the
    prefix many prompts share, ``BranchStats.key_depth``), the request is mostly new
@@ -50,9 +51,11 @@
    the same replica holding the fewest blocks. On SGLang's generated-shared-prefix shape four
    instances with events placed new documents there in bursts (seven in under a second on one
    replica), and a document's next question reaching another instance before the events
-   placed it again: 21 computations of 16 documents a run (2 runs, request logs). Placed by the ring, the 32 documents of
-   vLLM's prefix_repetition drew 97, 91, 85 and 47 requests on 4 replicas, and the busiest
-   holders' spills recomputed whole documents.
+   placed it again: 21 computations of 16 documents a run (2 runs, request logs); on the ring
+   18-19, and 0.874 against one instance's 0.882 (``bench/results/instances``). Placed by the
+   ring, the 32 documents of vLLM's prefix_repetition drew 97, 91, 85 and 47 requests on 4
+   replicas, and the busiest holders' spills recomputed whole documents: the only router
+   places them as new work.
 4. Choice: among replicas within the bound, the one holding most of the prompt; ties go in ring
    order of the request's key. The key is the session key when the caller gives one (a client's
    session id, or a chat's opening, ``PromptInfo.opening``), else the block chain through the
@@ -85,8 +88,8 @@ one system prompt, many sessions   everyone holds it (a tie): sessions spread by
                                    their own keys where instances have no common picture
 one prefix, many single requests    everyone holds it (a tie): the least loaded holder takes each
 nothing cached anywhere            the replica within the bound holding the fewest blocks; with
-                                   several instances and no fresh events, the ring owner of the
-                                   key, or the next within the bound
+                                   several instances, the ring owner of the key, or the next
+                                   within the bound
 a new chat on a small shared base  the replica within the bound holding the fewest blocks
 =================================  =============================================================
 
