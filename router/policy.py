@@ -109,8 +109,9 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import xxhash
 
@@ -218,6 +219,46 @@ def within_bound(load: float, bound: int) -> bool:
     return load + 1 <= bound
 
 
+@dataclass(frozen=True, slots=True)
+class _Bounds:
+    """The bounds of step 2 for one request, in requests: ``load`` and ``share`` for any replica,
+    ``holder_load`` and ``holder_share`` for a holder of a cold prefix (``math.inf``: no share
+    bound for the holder)."""
+
+    load: int
+    share: int
+    holder_load: int
+    holder_share: float
+
+    @classmethod
+    def of(cls, cfg: RoutingConfig, replicas: Mapping[str, ReplicaView]) -> "_Bounds":
+        n = len(replicas)
+        total_load = sum(v.load for v in replicas.values())
+        total_share = sum(v.recent for v in replicas.values())
+        # past the slack the in-flight bound sees the load: no share bound for the holder. Nor
+        # with several instances: each counts shares over its own part of the traffic, a sample
+        # too small to tell a holder's fair share (measured: the module's docstring, step 2)
+        in_flight = in_flight_regime(total_load, n, cfg.load_factor, cfg.load_slack)
+        holder_share = (math.inf if in_flight or not cfg.sole_router
+                        else load_bound(total_share, n, cfg.holder_share_factor, cfg.holder_slack))
+        return cls(load_bound(total_load, n, cfg.load_factor, cfg.load_slack),
+                   load_bound(total_share, n, cfg.load_factor, cfg.load_slack),
+                   load_bound(total_load, n, cfg.holder_load_factor, cfg.holder_slack), holder_share)
+
+    def fits(self, view: ReplicaView, is_owner: bool, holder: bool = False) -> bool:
+        """Whether ``view`` may take the request (``holder``: under the holder's looser bounds).
+
+        A replica other than the key's owner must also be within the share bound: the in-flight
+        bound never acts on requests sent one at a time, which would otherwise all follow a
+        shared system prompt to the one replica that computed it first. The owner is exempt: the
+        ring already spreads keys, a lone conversation stays with its history, and a request no
+        instance knows anything of goes where every instance would send it (walking past owners
+        over their share gained about a point of reuse in one run and doubled the gap between
+        two instances: tests/test_discovery.py)."""
+        load, share = (self.holder_load, self.holder_share) if holder else (self.load, self.share)
+        return within_bound(view.load, load) and (is_owner or within_bound(view.recent, share))
+
+
 class PrefixAffinityPolicy:
     """The longest cached prefix among replicas within a load bound; ties by the ring."""
 
@@ -246,81 +287,66 @@ class PrefixAffinityPolicy:
         depth, key = routing_key(self.branches, self.config.max_key_blocks, hashes, full_hash, session_key)
         order = [n for n in self.ring.candidates(key) if n in replicas] or sorted(replicas)
         matches = {n: min(v.shadow.match(hashes), cap) for n, v in replicas.items()}
-        cfg = self.config
-        n = len(replicas)
-        total_load = sum(v.load for v in replicas.values())
-        total_share = sum(v.recent for v in replicas.values())
-        bound = load_bound(total_load, n, cfg.load_factor, cfg.load_slack)
-        share = load_bound(total_share, n, cfg.load_factor, cfg.load_slack)
-        holder_bound = load_bound(total_load, n, cfg.holder_load_factor, cfg.holder_slack)
-        # past the slack the in-flight bound sees the load: no share bound for the holder. Nor
-        # with several instances: each counts shares over its own part of the traffic, a sample
-        # too small to tell a holder's fair share (measured: the module's docstring, step 2)
-        in_flight = in_flight_regime(total_load, n, cfg.load_factor, cfg.load_slack)
-        holder_share = (math.inf if in_flight or not cfg.sole_router
-                        else load_bound(total_share, n, cfg.holder_share_factor, cfg.holder_slack))
+        bounds = _Bounds.of(self.config, replicas)
         owner = order[0]
-        # Replicas holding equal parts of the prompt are told apart by load where every instance
-        # reads the same picture (it is the only router, or every view is the engine's); else,
-        # and among replicas holding nothing, by the ring, where every instance agrees
-        # (``order`` is the ring's, and min() keeps the first of equals)
-        shared = cfg.sole_router or all(v.engine for v in replicas.values())
+        rank = self._ranker(order, matches, replicas)
+        preferred = min(order, key=rank)
+        fitting = [r for r in order if bounds.fits(replicas[r], r == owner)]
+        if not fitting:  # the share bound turned away everyone within the in-flight bound
+            fitting = [r for r in order if within_bound(replicas[r].load, bounds.load)]
+        best = matches[preferred]
+        decide = partial(Decision, best_blocks=best, best_replica=preferred, key_depth=depth, key=key,
+                         matches=matches)
+        if fitting and self._is_new_work(first_turn, best, depth, cap):
+            # mostly new work: what a replica holds of it is worth less than where its later
+            # turns will stay; the replica holding the least takes it (ties in ring order)
+            replica = min(fitting, key=lambda r: len(replicas[r].shadow))
+            return decide(replica, Route.BALANCE, predicted_blocks=matches[replica])
+        # The holder's leave: a replica past the bounds that alone holds more of the prompt than
+        # any fitting one, where that prefix is cold, keeps it up to the holder bounds.
+        most = max((matches[r] for r in fitting), default=0)
+        fitting += [r for r in order if r not in fitting and matches[r] > most
+                    and bounds.fits(replicas[r], r == owner, holder=True)
+                    and self._holds_cold_prefix(r, hashes, matches)]
+        if fitting:
+            replica = min(fitting, key=rank)
+        else:  # loads that are not what the bound assumes (negative); not reached otherwise
+            replica = min(order, key=lambda n: replicas[n].load)
+        if replica != preferred:
+            return decide(replica, Route.SPILL, predicted_blocks=matches[replica], spilled_from=preferred)
+        if replica == owner:
+            return decide(replica, Route.AFFINITY, predicted_blocks=matches[replica])
+        # another replica held more than the owner, or as much and less load
+        route = Route.STICKY if matches[replica] > matches[owner] else Route.BALANCE
+        return decide(replica, route, predicted_blocks=matches[replica])
+
+    def _ranker(self, order: Sequence[str], matches: Mapping[str, int],
+                replicas: Mapping[str, ReplicaView]) -> Callable[[str], tuple]:
+        """The sort key of step 4: most blocks held first. Replicas holding equal parts of the
+        prompt are told apart by load where every instance reads the same picture (it is the
+        only router, or every view is the engine's); else, and among replicas holding nothing,
+        by the ring, where every instance agrees (``order`` is the ring's)."""
+        shared = self.config.sole_router or all(v.engine for v in replicas.values())
         position = {r: i for i, r in enumerate(order)}
 
         def rank(r: str) -> tuple:
             if shared and matches[r]:
                 return -matches[r], replicas[r].load, replicas[r].recent, position[r]
             return -matches[r], 0, 0, position[r]
+        return rank
 
-        preferred = min(order, key=rank)
+    def _is_new_work(self, first_turn: bool | None, best: int, depth: int, cap: int) -> bool:
+        """Step 3: whether the request is mostly new everywhere and opens a conversation.
 
-        def fits(r: str, load_limit: int, share_limit: int) -> bool:
-            # A replica other than the key's owner must also be within the share bound: the
-            # in-flight bound never acts on requests sent one at a time, which would otherwise
-            # all follow a shared system prompt to the one replica that computed it first. The
-            # owner is exempt: the ring already spreads keys, a lone conversation stays with its
-            # history, and a request no instance knows anything of goes where every instance
-            # would send it (walking past owners over their share gained about a point of reuse
-            # in one run and doubled the gap between two instances: tests/test_discovery.py)
-            view = replicas[r]
-            return within_bound(view.load, load_limit) and (r == owner or within_bound(view.recent, share_limit))
-
-        fitting = [r for r in order if fits(r, bound, share)]
-        if not fitting:  # the share bound turned away everyone within the in-flight bound
-            fitting = [r for r in order if within_bound(replicas[r].load, bound)]
-        best = matches[preferred]
-        # a later turn is never new work, whatever its new part weighs: its history would be
-        # recomputed wherever else it went
+        A later turn is never new work, whatever its new part weighs: its history would be
+        recomputed wherever else it went. A prompt nobody holds any of is new work only where
+        this instance is the only router; several keep it on the ring, where every instance
+        sends it at once: their pictures, the engines' own included, show a prefix only once a
+        replica has computed it."""
         opening = first_turn if first_turn is not None else best < depth
-        # a prompt nobody holds any of is new work only where this instance is the only router;
-        # several keep it on the ring, where every instance sends it at once: their pictures,
-        # the engines' own included, show a prefix only once a replica has computed it
-        if best == 0 and not cfg.sole_router:
-            opening = False
-        if fitting and opening and best < cfg.match_threshold * cap:
-            # mostly new work: what a replica holds of it is worth less than where its later
-            # turns will stay; the replica holding the least takes it (ties in ring order)
-            replica = min(fitting, key=lambda r: len(replicas[r].shadow))
-            return Decision(replica, Route.BALANCE, predicted_blocks=matches[replica], best_blocks=best,
-                            best_replica=preferred, key_depth=depth, key=key, matches=matches)
-        # The holder's leave: a replica past the bounds that alone holds more of the prompt than
-        # any fitting one, where that prefix is cold, keeps it up to the holder bounds.
-        most = max((matches[r] for r in fitting), default=0)
-        fitting += [r for r in order if r not in fitting and matches[r] > most
-                    and fits(r, holder_bound, holder_share) and self._holds_cold_prefix(r, hashes, matches)]
-        if fitting:
-            replica = min(fitting, key=rank)
-        else:  # loads that are not what the bound assumes (negative); not reached otherwise
-            replica = min(order, key=lambda n: replicas[n].load)
-        if replica != preferred:
-            route = Route.SPILL
-        elif replica == owner:
-            route = Route.AFFINITY
-        else:  # another replica held more than the owner, or as much and less load
-            route = Route.STICKY if matches[replica] > matches[owner] else Route.BALANCE
-        return Decision(replica, route, predicted_blocks=matches[replica], best_blocks=best,
-                        best_replica=preferred, key_depth=depth, key=key, spilled_from=preferred if route is Route.SPILL else None,
-                        matches=matches)
+        if best == 0 and not self.config.sole_router:
+            return False
+        return opening and best < self.config.match_threshold * cap
 
     def _holds_cold_prefix(self, name: str, hashes: Sequence[BlockHash], matches: Mapping[str, int]) -> bool:
         """Whether ``name`` holds a prefix of the prompt that its holders can serve at their
