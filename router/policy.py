@@ -86,7 +86,7 @@ a document shared by many prompts  they follow it to its holder, up to the holde
                                    computed on another replica, and both serve it
 one system prompt, many sessions   everyone holds it (a tie): sessions spread by load, or by
                                    their own keys where instances have no common picture
-one prefix, many single requests    everyone holds it (a tie): the least loaded holder takes each
+one prefix, many single requests   everyone holds it (a tie): the least loaded holder takes each
 nothing cached anywhere            the replica within the bound holding the fewest blocks; with
                                    several instances, the ring owner of the key, or the next
                                    within the bound
@@ -260,7 +260,8 @@ class _Bounds:
 
 
 class PrefixAffinityPolicy:
-    """The longest cached prefix among replicas within a load bound; ties by the ring."""
+    """The longest cached prefix among replicas within a load bound; ties by load where every
+    instance reads the same picture, else by the ring (the module docstring)."""
 
     def __init__(self, config: RoutingConfig, ring: Ring, branches: BranchStats,
                  demand: PrefixDemand | None = None) -> None:
