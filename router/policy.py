@@ -344,9 +344,9 @@ class PrefixAffinityPolicy:
         this instance is the only router; several keep it on the ring, where every instance
         sends it at once: their pictures, the engines' own included, show a prefix only once a
         replica has computed it."""
-        opening = first_turn if first_turn is not None else best < depth
         if best == 0 and not self.config.sole_router:
             return False
+        opening = first_turn if first_turn is not None else best < depth
         return opening and best < self.config.match_threshold * cap
 
     def _holds_cold_prefix(self, name: str, hashes: Sequence[BlockHash], matches: Mapping[str, int]) -> bool:
