@@ -59,9 +59,9 @@ def test_a_max_cooldown_below_the_cooldown_is_refused():
 
 class FaultyReplica:
     """A replica stand-in whose faults a test switches on and off: ``mode`` is "ok" (answers
-    like a tiny vLLM), "error" (/health 200, generation 500), "slow" (answers after 5 s) or
-    "hang" (accepts connections, never answers anything). Counts the generation requests it
-    received."""
+    like a tiny vLLM), "error" (/health 200, generation 500), "slow" (answers after 5 s),
+    "hang_generation" (/health 200, generation never answered) or "hang" (accepts
+    connections, never answers anything). Counts the generation requests it received."""
 
     def __init__(self) -> None:
         self.mode = "ok"
@@ -72,8 +72,8 @@ class FaultyReplica:
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_post("/v1/chat/completions", self._chat)
 
-    async def _hang_if_asked(self) -> None:
-        while self.mode == "hang":
+    async def _hang_if_asked(self, generation: bool = False) -> None:
+        while self.mode == "hang" or (generation and self.mode == "hang_generation"):
             await asyncio.sleep(0.05)
 
     async def _health(self, request):
@@ -90,7 +90,7 @@ class FaultyReplica:
     async def _chat(self, request):
         self.posts += 1
         await request.read()
-        await self._hang_if_asked()
+        await self._hang_if_asked(generation=True)
         if self.mode == "error":
             return web.json_response({"error": {"message": "engine dead", "code": 500}}, status=500)
         if self.mode == "slow":
@@ -163,14 +163,16 @@ async def test_a_replica_that_accepts_connections_but_never_answers_is_timed_out
     client = await aiohttp_client(create_app(config, ByteTokenizer()))
     gw = client.app[GATEWAY]
     hung_name = hung.split("//")[1]
-    faulty.mode = "hang"
-    # Sent at once, before a health check can notice: some are routed to the hung replica and
-    # must be given up on after the header timeout and retried, not left waiting for 600 s.
+    # First only its generation hangs, so the health checker cannot eject it before the burst
+    # arrives however slowly this box schedules it: the requests routed there must be given up
+    # on after the header timeout and retried, not left waiting for 600 s.
+    faulty.mode = "hang_generation"
     results = await asyncio.wait_for(asyncio.gather(*(_send(client, i, stream=True) for i in range(12))), 10)
     assert faulty.posts > 0, "no request reached the hung replica: no test"
     for status, replica, raw in results:
         assert status == 200 and replica != hung_name
         assert raw.rstrip().endswith("data: [DONE]")
+    faulty.mode = "hang"  # now its health check hangs too
     await wait_until(lambda: not gw.replicas[hung_name].healthy, 5)
     posts = faulty.posts
     await asyncio.wait_for(asyncio.gather(*(_send(client, 50 + i, stream=True) for i in range(12))), 10)
