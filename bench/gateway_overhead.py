@@ -59,6 +59,26 @@ def conversations(size: int, count: int, turns: int, seed: int = 0) -> list[list
     return requests
 
 
+def staggered(count: int, turns: int, window: int = 64) -> list[tuple[int, int]]:
+    """(conversation, turn) pairs in the order they are sent: conversation ``c``'s turn ``t``
+    at slot ``c + t x window``, so that once ``turns x window`` bodies have gone, one body in
+    ``turns`` opens a conversation and the others extend one whose previous turn went
+    ``window`` slots before (long enough to be answered with 8 connections, or at any fixed
+    rate here). Shape: ``count x turns`` pairs, each conversation's turns in order."""
+    return sorted(((c, t) for c in range(count) for t in range(turns)), key=lambda p: (p[0] + p[1] * window, p[1]))
+
+
+def chat_mix(size: int, count: int, turns: int = 4, seed: int = 0) -> list[list[dict]]:
+    """``count`` request message lists of ~``size`` tokens each: conversations of ``turns``
+    turns, ``staggered`` (one request in ``turns`` opens a conversation with a system prompt of
+    its own, the others extend one seen a moment before), so that the prompts stay near
+    ``size`` however many are sent; ``conversations`` of a fixed number grow a turn per round.
+    The mix of ``bench/overhead_wrk.py``, for the fixed-rate overhead benchmarks."""
+    num = max(-(-count // turns), 1)
+    rounds = conversations(size, num, turns, seed)  # turn t of conversation c at t x num + c
+    return [rounds[t * num + c] for c, t in staggered(num, turns)][:count]
+
+
 async def fixed_rate(url: str, requests: list[list[dict]], rate: float) -> list[tuple[float, float]]:
     """Send at ``rate``/s regardless of responses; (TTFT, latency) per request in seconds, TTFT 0.0
     for a request that failed (an HTTP error or a broken connection)."""

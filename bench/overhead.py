@@ -3,10 +3,13 @@ simulated replica and through each system in front of it.
 
 The replica runs 10,000x faster than modelled time, so its modelled GPU time (under 0.1 ms) is
 negligible next to the hop being measured. Every system is given the replica under two names
-(``127.0.0.1`` and ``localhost``), as vllm-router's ``power_of_two`` needs two workers. Requests are the multi-turn chat prompts of about
-1,000 tokens of ``bench/gateway_overhead.py`` (16 conversations, each request the next turn of
-one), with 8 output tokens. At each rate, direct first, then every system, one after another
-in the same run, so each added latency is a difference of neighbours on the same machine.
+(``127.0.0.1`` and ``localhost``), as vllm-router's ``power_of_two`` needs two workers. Requests
+are chats of about 1,000 tokens (``gateway_overhead.chat_mix``: conversations of 4 turns, one
+request in four opening one, the others extending one), with 8 output tokens. (Until
+2026-12-04 it sent 16 conversations a turn each in turn, so at 100/s for 12 s a prompt grew to
+~3,000 tokens and 150 messages; the committed results before then were taken so.) At each
+rate, direct first, then every system, one after another in the same run, so each added
+latency is a difference of neighbours on the same machine.
 
 This gateway runs as deployed in front of real vLLM: with a Hugging Face tokenizer (the tiny
 BPE of ``router/tools/tiny_model.py``), rendering the chat template and hashing exact token blocks;
@@ -23,7 +26,7 @@ from router.tools.launch import running, sim_server
 from router.tools.replay.summary import percentile
 
 from .fleet import tiny_tokenizer
-from .gateway_overhead import MODEL, conversations, fixed_rate
+from .gateway_overhead import MODEL, chat_mix, fixed_rate
 from .peers import System, cpu_seconds
 
 __all__ = ["measured_run", "overhead_sweep", "overhead_table", "ADDED_P99_LIMIT_MS"]
@@ -64,7 +67,7 @@ def overhead_sweep(systems: list[System], rates: list[float], seconds: float, pe
         # system gets the same pair, so all see the one process the direct baseline sees
         aliases = [replica, replica.replace("127.0.0.1", "localhost")]
         for rate in rates:
-            requests = conversations(prompt_tokens, 16, max(int(rate * seconds) // 16, 1))
+            requests = chat_mix(prompt_tokens, max(int(rate * seconds), 16))
             direct = asyncio.run(fixed_rate(replica, requests, rate))
             for system in systems:
                 server = system.server(aliases, log_dir, peers_bin, ("--tokenizer", str(tokenizer)))

@@ -27,7 +27,7 @@ from router.tools.launch import Server, free_port, running, sim_server
 from router.tools.replay.summary import percentile
 
 from .fleet import ROOT, tiny_tokenizer, write_report
-from .gateway_overhead import conversations, fixed_rate
+from .gateway_overhead import chat_mix, fixed_rate
 from .overhead import measured_run
 from .peers import System, ensure_peers
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     with running([sim]) as (replica,):
         aliases = [replica, replica.replace("127.0.0.1", "localhost")]
         for rate in [float(r) for r in args.rates.split(",")]:
-            requests = conversations(args.tokens, 16, max(int(rate * args.seconds) // 16, 1))
+            requests = chat_mix(args.tokens, max(int(rate * args.seconds), 16))
             for _ in range(args.reps):
                 direct = asyncio.run(fixed_rate(replica, requests, rate))
                 for name in (*trees, FLOOR, PEER.name):

@@ -38,7 +38,7 @@ from pathlib import Path
 from router.tools.launch import running, sim_server
 
 from .fleet import ROOT, pinned, tiny_tokenizer, write_report
-from .gateway_overhead import MODEL, conversations
+from .gateway_overhead import MODEL, conversations, staggered
 from .overhead_ab import FLOOR, PEER, _floor_server
 from .peers import System, cpu_seconds, ensure_peers
 
@@ -56,15 +56,6 @@ request = function()
   return wrk.format("POST", "/v1/chat/completions", headers, bodies[i])
 end
 """
-
-
-def staggered(count: int, turns: int, window: int = 64) -> list[tuple[int, int]]:
-    """(conversation, turn) pairs in the order ``wrk`` sends them: conversation ``c``'s turn ``t``
-    at slot ``c + t x window``, so that once ``turns x window`` bodies have gone, one body in
-    ``turns`` opens a conversation and the others extend one whose previous turn went
-    ``window`` slots before (long enough to be answered with 8 connections). Shape:
-    ``count x turns`` pairs, each conversation's turns in order."""
-    return sorted(((c, t) for c in range(count) for t in range(turns)), key=lambda p: (p[0] + p[1] * window, p[1]))
 
 
 def parse_wrk(out: str) -> tuple[int, float, str]:

@@ -39,7 +39,7 @@ def test_output_without_a_latency_distribution_is_refused():
 
 
 def test_staggered_bodies_keep_each_conversations_turns_in_order_and_open_one_in_four():
-    from bench.overhead_wrk import staggered
+    from bench.gateway_overhead import staggered
 
     count, turns, window = 500, 4, 64
     pairs = staggered(count, turns, window)
@@ -50,3 +50,22 @@ def test_staggered_bodies_keep_each_conversations_turns_in_order_and_open_one_in
     # slots where every turn has a conversation to take it: past the start, before they run out
     steady = [(c, t) for c, t in pairs if (turns - 1) * window <= c + t * window < count]
     assert sum(t == 0 for _, t in steady) / len(steady) == pytest.approx(1 / turns, abs=0.01)
+
+
+def test_the_fixed_rate_chat_mix_keeps_its_prompts_near_the_size_however_many_are_sent():
+    from bench.gateway_overhead import chat_mix, conversations
+
+    def words(messages):
+        return sum(len(m["content"].split()) for m in messages)
+
+    for count in (64, 1200, 2400):
+        mix = chat_mix(1000, count)
+        assert len(mix) == count
+        # each conversation's first turn is the only body with one user message
+        opening = [words(m) for m in mix if len(m) == 2]
+        assert max(words(m) for m in mix) <= 1.25 * sum(opening) / len(opening)
+        assert sum(len(m) == 2 for m in mix) == pytest.approx(count / 4, abs=1)
+    # what the fixed-rate benchmarks sent before: 16 conversations a turn each in turn, so the
+    # 2,400 bodies of 200/s for 12 s end ~4x longer than they start
+    old = conversations(1000, 16, 2400 // 16)
+    assert words(old[-1]) > 3 * words(old[0])
