@@ -674,8 +674,15 @@ NEW_WORK_CASES = [
      [0, 0, 0, 0], [50, 40, 5, 30], [0, 0, 0, 0], 0.0, "owner", Route.AFFINITY),
     ("a threshold of 0 turns new work off and the little that is held is followed",
      [0, 4, 0, 0], [50, 40, 5, 30], [0, 0, 0, 0], 0.0, 1, None),
-    ("the replica holding the fewest blocks is passed over while it is over the load bound",
-     [0, 4, 0, 0], [50, 40, 5, 30], [0, 0, 2, 1], 0.5, 3, Route.BALANCE),
+    ("the replica holding the fewest blocks is passed over while it is over the load bound, for "
+     "the least loaded of the others",
+     [0, 4, 0, 0], [50, 40, 5, 30], [0, 0, 2, 1], 0.5, 1, Route.BALANCE),
+    # loads 0, 1, 1, 1: the bound is 2, so every replica may take it; the idle one starts its
+    # prefill at once, however many blocks it holds
+    ("the least loaded replica within the bound takes new work before one holding fewer blocks",
+     [0, 4, 0, 0], [50, 40, 5, 30], [0, 1, 1, 1], 0.5, 0, Route.BALANCE),
+    ("between equally loaded replicas the one holding the fewest blocks takes new work",
+     [0, 4, 0, 0], [50, 40, 5, 30], [1, 0, 1, 0], 0.5, 3, Route.BALANCE),
 ]
 
 

@@ -89,9 +89,10 @@ class RoutingConfig:
     holder_share_factor: float = 1.5
     holder_slack: int = 2
     # a prompt whose longest cached prefix anywhere is under this share of it is mostly new
-    # work: it goes to the replica holding the fewest blocks (within the bounds), not to the one
-    # holding that small prefix, which would draw every new conversation that shares a hot
-    # base prompt onto one replica (sglang-router's and vllm-router's cache_threshold, 0.5).
+    # work: it goes to the least loaded replica within the bounds (then the one holding the
+    # fewest blocks: router/policy.py, step 3), not to the one holding that small prefix,
+    # which would draw every new conversation that shares a hot base prompt onto one replica
+    # (sglang-router's and vllm-router's cache_threshold, 0.5).
     # Measured (bench.compare --quick, medians of 3, off then on): the built-in agent workload
     # 0.852 -> 0.860 with the busiest replica 1.62x -> 1.17x. It reads this instance's picture:
     # four instances without KV events reused 0.638 against 0.664 on the built-in mixed
@@ -99,8 +100,8 @@ class RoutingConfig:
     # several instances without events may want 0, which turns it off
     match_threshold: float = 0.5
     # this gateway is the only router in front of these replicas (one instance, workers 1): a
-    # prompt nobody holds any of is new work too, placed by this instance's picture on the
-    # replica holding the fewest blocks, not by the ring. Several instances, or workers above 1,
+    # prompt nobody holds any of is new work too, placed by this instance's picture (least
+    # loaded, then fewest blocks held), not by the ring. Several instances, or workers above 1,
     # keep it on the ring, where every instance puts it at once, KV events or not: an engine
     # publishes a prefix only once it has computed it, and until then every instance would see
     # the same replica holding the fewest blocks (four instances with events computed 16
