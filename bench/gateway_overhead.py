@@ -68,15 +68,16 @@ def staggered(count: int, turns: int, window: int = 64) -> list[tuple[int, int]]
     return sorted(((c, t) for c in range(count) for t in range(turns)), key=lambda p: (p[0] + p[1] * window, p[1]))
 
 
-def chat_mix(size: int, count: int, turns: int = 4, seed: int = 0) -> list[list[dict]]:
+def chat_mix(size: int, count: int, turns: int = 4, seed: int = 0, window: int = 8) -> list[list[dict]]:
     """``count`` request message lists of ~``size`` tokens each: conversations of ``turns``
-    turns, ``staggered`` (one request in ``turns`` opens a conversation with a system prompt of
-    its own, the others extend one seen a moment before), so that the prompts stay near
-    ``size`` however many are sent; ``conversations`` of a fixed number grow a turn per round.
-    The mix of ``bench/overhead_wrk.py``, for the fixed-rate overhead benchmarks."""
+    turns, ``staggered`` with ``window`` (one request in ``turns`` opens a conversation with a
+    system prompt of its own, the others extend one sent ``window`` requests before: at 25/s
+    0.3 s, long after its answer), so that the prompts stay near ``size`` however many are
+    sent; ``conversations`` of a fixed number grow a turn per round. The mix of
+    ``bench/overhead_wrk.py``, for ``bench.overhead`` and ``bench.overhead_ab``."""
     num = max(-(-count // turns), 1)
     rounds = conversations(size, num, turns, seed)  # turn t of conversation c at t x num + c
-    return [rounds[t * num + c] for c, t in staggered(num, turns)][:count]
+    return [rounds[t * num + c] for c, t in staggered(num, turns, window)][:count]
 
 
 async def fixed_rate(url: str, requests: list[list[dict]], rate: float) -> list[tuple[float, float]]:

@@ -33,26 +33,25 @@
 3. New work: when the most any replica holds is under ``match_threshold`` of the prompt and the
    request opens a conversation (a chat's first turn; for a completion, a match within the
    prefix many prompts share, ``BranchStats.key_depth``), the request is mostly new
-   everywhere, and the least loaded replica within the bound takes it, the one holding the
-   fewest blocks among equals (``Route.BALANCE``; then ring order; no holder's leave): its
-   prefill starts soonest. By blocks alone (before 2026-12-04; medians of 3 alternating runs,
-   ``bench.compare --quick``, this gateway alone): SGLang's shape TTFT p50/p99 0.12/0.44 s ->
-   0.08/0.20 at a busiest replica 1.00x -> 1.25x, the built-in agent 0.860 -> 0.864, Mooncake
-   synthetic's busiest 1.28x -> 1.09x and p99 2.61 -> 2.92 s; full mode's Mooncake
-   conversation (8 replicas) p50/p99 0.69/5.15 -> 0.63/4.90 s. A later turn is
-   never new work, however large its new part: elsewhere its history would be recomputed.
+   everywhere, and the least loaded replica within the bound takes it, the fewest blocks among
+   equals (``Route.BALANCE``; then ring order; no holder's leave): its prefill starts soonest.
+   By blocks alone before 2026-12-04 (medians of 3 alternating runs, ``bench.compare --quick``,
+   this gateway alone): SGLang's shape TTFT p50/p99 0.12/0.44 s -> 0.08/0.20 at a busiest
+   replica 1.00x -> 1.25x, the built-in agent 0.860 -> 0.864, Mooncake synthetic's busiest
+   1.28x -> 1.09x, p99 2.61 -> 2.92 s; full mode's Mooncake conversation (8 replicas) p50/p99
+   0.69/5.15 -> 0.63/4.90 s. A later turn is never new work: its history would be recomputed.
    Where a new conversation starts is where its later turns will stay, and a small shared base
    (the part of several system prompts they have in common) is not worth piling the
    conversations that share it onto the one replica that computed it first. sglang-router's and
-   vllm-router's ``cache_threshold`` (0.5) route the same way to the replica with the smallest
-   tree. On the built-in agent workload (12 sessions, four system prompts on a 1,118-token
-   base, 4 replicas) this took the token hit rate from 0.852 to 0.860 and the busiest replica
+   vllm-router's ``cache_threshold`` (0.5) send such prompts to the smallest tree. By blocks
+   alone, on the built-in agent workload (12 sessions, four system prompts on a 1,118-token
+   base, 4 replicas) new work took the token hit rate from 0.852 to 0.860 and the busiest replica
    from 1.62x to 1.17x its share of requests, a dozen agent sessions from 0.860 to 0.865 and
    1.47x to 1.39x (medians of 3 runs, ``bench.compare --quick --shapes dozen``, the rule off
    then on, the same hour). A prompt nobody holds any of is new work only where this
    instance is the only router (``routing.sole_router``); elsewhere it goes by the ring, where
    every instance sends it. KV events do not make several instances agree here: an engine
-   publishes a prefix's blocks once it has computed them, and until then every instance sees
+   publishes a prefix's blocks once it has computed them, and until then idle instances see
    the same replica holding the fewest blocks. On SGLang's generated-shared-prefix shape four
    instances with events placed new documents there in bursts (seven in under a second on one
    replica), and a document's next question reaching another instance before the events
@@ -95,7 +94,8 @@ one prefix, many single requests   everyone holds it (a tie): the least loaded h
 nothing cached anywhere            the least loaded replica within the bound, then the one
                                    holding the fewest blocks; with several instances, the ring
                                    owner of the key, or the next within the bound
-a new chat on a small shared base  the same as nothing cached, with one instance or several
+a new chat on a small shared base  the least loaded replica within the bound, then the one
+                                   holding the fewest blocks, with one instance or several
 =================================  =============================================================
 
 The route reported: ``affinity`` when the choice is the key's ring owner, ``sticky`` when another
@@ -135,8 +135,8 @@ class Route(str, enum.Enum):
     AFFINITY = "affinity"  # the ring's owner of the routing key
     SPILL = "spill"  # the preferred replica was over the load bound
     STICKY = "sticky"  # a replica other than the owner held more of the prompt
-    # chosen by load: a prompt mostly new everywhere, to the replica holding the fewest blocks;
-    # or one several replicas hold equally, to the least loaded of them
+    # chosen by load: a prompt mostly new everywhere, to the least loaded replica (then fewest
+    # blocks held); or one several replicas hold equally, to the least loaded of them
     BALANCE = "balance"
     FALLBACK = "fallback"  # a baseline policy
     # Not the policy's: the proxy's label for an attempt after the first replica failed (the

@@ -65,7 +65,17 @@ def test_the_fixed_rate_chat_mix_keeps_its_prompts_near_the_size_however_many_ar
         opening = [words(m) for m in mix if len(m) == 2]
         assert max(words(m) for m in mix) <= 1.25 * sum(opening) / len(opening)
         assert sum(len(m) == 2 for m in mix) == pytest.approx(count / 4, abs=1)
+        # a later turn extends its conversation's previous one, sent before it
+        seen = set()
+        for m in mix:
+            if len(m) > 2:
+                assert repr(m[:-2]) in seen, "a turn sent before the one it extends"
+            seen.add(repr(m))
+        # past the first and last few windows, one body in four opens a conversation
+        if count >= 1200:
+            steady = mix[64:-64]
+            assert sum(len(m) == 2 for m in steady) / len(steady) == pytest.approx(0.25, abs=0.02)
     # what the fixed-rate benchmarks sent before: 16 conversations a turn each in turn, so the
-    # 2,400 bodies of 200/s for 12 s end ~4x longer than they start
+    # 2,400 bodies of 200/s for 12 s end ~6x longer than they start
     old = conversations(1000, 16, 2400 // 16)
-    assert words(old[-1]) > 3 * words(old[0])
+    assert words(old[-1]) > 5 * words(old[0])

@@ -238,8 +238,8 @@ def test_documents_each_wanted_by_a_few_requests_stay_on_one_holder_each_past_th
 
 def test_documents_nobody_holds_are_new_work_and_spread_evenly_before_their_questions_follow():
     # The same 8 documents with new work on (the default): the first question of each finds
-    # nothing anywhere, so it goes to the replica holding the fewest blocks, not the ring owner
-    # of its key; each replica gets two documents (2 x 21 blocks), and every later question
+    # nothing anywhere, so it goes to the least loaded replica (the fewest blocks among equals),
+    # not the ring owner of its key; each replica gets two documents (2 x 21 blocks), and every later question
     # follows its document's one holder, so the loads come out equal: 64 / 4 = 16 each.
     policy, _, _, views = setup()
     docs = [[BlockHash(100 * d + i) for i in range(20)] for d in range(8)]
@@ -661,14 +661,14 @@ def test_one_of_several_instances_does_not_judge_a_holder_by_its_own_share_count
 #  match_threshold, the replica chosen by index or "owner" for the key's ring owner, route).
 # The threshold is worked out in the prompt's blocks: 0.5 x 10 = 5, so a replica holding 4
 # leading blocks holds "a little" and one holding 5 holds enough to follow. Loads: 4 replicas,
-# 3 in flight, the bound ceil(max(1.25 x 4 / 4, 4 / 4 + 1)) = 2, so a replica with 2 in flight
-# is over it.
+# 2 or 3 in flight, the bound ceil(max(1.25 x 4 / 4, 4 / 4 + 1)) = 2 (3 / 4 + 1 rounds up to 2
+# as well), so a replica with 2 in flight is over it.
 NEW_WORK_CASES = [
-    ("a prompt of which the best holder has under half goes to the replica holding the fewest blocks",
+    ("a prompt of which the best holder has under half goes to the idle replica holding the fewest blocks",
      [0, 4, 0, 0], [50, 40, 5, 30], [0, 0, 0, 0], 0.5, 2, Route.BALANCE),
     ("a prompt of which a replica holds half follows that replica",
      [0, 5, 0, 0], [50, 40, 5, 30], [0, 0, 0, 0], 0.5, 1, None),
-    ("a prompt nobody holds any of is new work too, for the replica holding the fewest blocks",
+    ("a prompt nobody holds any of is new work too, for the idle replica holding the fewest blocks",
      [0, 0, 0, 0], [50, 40, 5, 30], [0, 0, 0, 0], 0.5, 2, Route.BALANCE),
     ("a threshold of 0 sends a prompt nobody holds any of to the ring owner of its key",
      [0, 0, 0, 0], [50, 40, 5, 30], [0, 0, 0, 0], 0.0, "owner", Route.AFFINITY),

@@ -92,8 +92,8 @@ class RoutingConfig:
     # work: it goes to the least loaded replica within the bounds (then the one holding the
     # fewest blocks: router/policy.py, step 3), not to the one holding that small prefix,
     # which would draw every new conversation that shares a hot base prompt onto one replica
-    # (sglang-router's and vllm-router's cache_threshold, 0.5).
-    # Measured (bench.compare --quick, medians of 3, off then on): the built-in agent workload
+    # (sglang-router's and vllm-router's cache_threshold, 0.5). Measured with the fewest blocks
+    # alone (bench.compare --quick, medians of 3, off then on): the built-in agent workload
     # 0.852 -> 0.860 with the busiest replica 1.62x -> 1.17x. It reads this instance's picture:
     # four instances without KV events reused 0.638 against 0.664 on the built-in mixed
     # workload with it (0.796 against 0.781 on a dozen agent sessions; bench.instances), so
