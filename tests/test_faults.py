@@ -164,8 +164,8 @@ async def test_a_replica_that_accepts_connections_but_never_answers_is_timed_out
     gw = client.app[GATEWAY]
     hung_name = hung.split("//")[1]
     # First only its generation hangs, so the health checker cannot eject it for hanging before
-    # the burst arrives, however slowly this box schedules the burst: the requests routed there must be given up
-    # on after the header timeout and retried, not left waiting for 600 s.
+    # the burst arrives, however slowly this box schedules the burst: the requests routed there
+    # must be given up on after the header timeout and retried, not left waiting for 600 s.
     faulty.mode = "hang_generation"
     results = await asyncio.wait_for(asyncio.gather(*(_send(client, i, stream=True) for i in range(12))), 10)
     assert faulty.posts > 0, "no request reached the hung replica: no test"
