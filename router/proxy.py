@@ -118,11 +118,14 @@ async def _serving(gw: Gateway, model) -> frozenset[str] | None | web.Response:
 
 
 async def _analysis(gw: Gateway, inbound: Inbound) -> PromptInfo:
-    """The prompt's analysis, on the event loop for a small body, else in a worker thread."""
+    """The prompt's analysis, on the event loop for a small body, else in a worker thread; its
+    time, as the request waited for it, to ``prefix_router_analysis_seconds``."""
+    started = time.perf_counter()
     if len(inbound.raw) <= gw.config.limits.inline_analysis_bytes:
         info = _analyze(gw, inbound)
     else:
         info = await asyncio.get_running_loop().run_in_executor(gw.executor, _analyze, gw, inbound)
+    gw.metrics.analysis_seconds.observe(time.perf_counter() - started)
     if gw.config.log_prompts:  # an operator's explicit choice (off by default)
         log.info("request conversation=%s units=%d body=%.500r", info.conversation, info.num_units, inbound.raw)
     return info

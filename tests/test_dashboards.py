@@ -52,7 +52,8 @@ def as_signal(expr: str) -> str:
 
 def test_the_dashboard_has_every_panel_the_operators_need_and_each_has_a_query():
     titles = " ".join(t for t, _ in panel_queries()).lower()
-    for word in ("hit rate", "misses", "lost", "spillover", "queue", "time to first token", "route", "health"):
+    for word in ("hit rate", "misses", "lost", "spillover", "queue", "time to first token", "route", "health",
+                 "analysis"):
         assert word in titles, word
     exprs = [e for _, e in panel_queries()]
     assert any("vllm:prefix_cache_hits_total" in e for e in exprs)  # engine-reported beside predicted

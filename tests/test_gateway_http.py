@@ -338,6 +338,7 @@ async def test_every_declared_metric_is_exported_after_one_request(fleet, gatewa
         "prefix_router_changed_total": {"cause": "volatile_value"},  # every cause at 0 from the start
         "prefix_router_changed_lost_tokens_total": {"cause": "other"},
         "prefix_router_routing_seconds": {},
+        "prefix_router_analysis_seconds": {},
         "prefix_router_ttft_seconds": {"replica": replica},
         "prefix_router_request_seconds": {"replica": replica},
     }
