@@ -260,6 +260,7 @@ class _Exchange:
             out = self.events.feed(chunk) + (self.events.flush() if end else b"")
             if self.ttft is None and self.events.saw_data:
                 self.ttft = time.perf_counter() - self.sent_at
+                self.slot.prefilled()
         if end:
             self.finish()
         if self.duplex_answer:

@@ -118,7 +118,7 @@ async def _attempt(request: web.Request, gw: Gateway, inbound: Inbound, info: Pr
                 relayed = await relay(request, upstream, replica.name, stream=inbound.stream,
                                       client_wants_usage=inbound.client_wants_usage,
                                       write_timeout_s=gw.config.limits.client_write_timeout_s, sent_at=t0,
-                                      events=events)
+                                      events=events, on_first_token=slot.prefilled)
                 elapsed = time.perf_counter() - t0
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # client-side writes never raise here
             slot.ok, slot.failed = False, True
@@ -157,6 +157,13 @@ class InFlight:
         self.evicted_blocks: tuple[int, ...] = ()
         # what the replica held before this attempt's own blocks count (routing's view of it)
         self.held_blocks = min(replica.cache_index(info.exact).match_ever(info.hashes), gw.max_hit_blocks(info))
+        unit = gw.block_size if info.exact else gw.config.routing.char_block_size
+        self.prefill = max(info.num_units - decision.predicted_blocks * unit, 0)  # released at the first token
+
+    def prefilled(self) -> None:
+        """The replica sent the first token: the prompt's prefill no longer queues on it."""
+        self.replica.prefill_units -= self.prefill
+        self.prefill = 0
 
     def relayed(self, status: int) -> None:
         """The replica answered below 500 and the answer went to the client with ``status``."""
@@ -172,6 +179,7 @@ class InFlight:
         r.sent_since_scrape += 1
         self.epoch = r.scrape_epoch
         r.inflight += 1
+        r.prefill_units += self.prefill
         gw.metrics.inflight.labels(r.name).set(r.inflight)
         gw.admission.notify()  # this request's load is counted: the next waiter, if any, may go
         self.added = r.shadow.insert(info.hashes)
@@ -188,6 +196,7 @@ class InFlight:
         if r.scrape_epoch == self.epoch:
             r.sent_since_scrape = max(r.sent_since_scrape - 1, 0)
         r.inflight -= 1
+        self.prefilled()  # if no first token came
         gw.metrics.inflight.labels(r.name).set(r.inflight)
         gw.admission.notify()
         if self.ok is None:

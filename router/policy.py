@@ -31,35 +31,33 @@
    workload 0.714 -> 0.715, at a busiest replica 1.10-1.19x -> 1.17-1.27x there. A hot prefix,
    one system prompt behind most requests, gets no such leave and spreads at the bound.
 3. New work: when the most any replica holds is under ``match_threshold`` of the prompt and the
-   request opens a conversation (a chat's first turn; for a completion, a match within the
-   prefix many prompts share, ``BranchStats.key_depth``), the request is mostly new
-   everywhere, and the least loaded replica within the bound takes it, the fewest blocks among
-   equals (``Route.BALANCE``; then ring order; no holder's leave): its prefill starts soonest.
-   By blocks alone before 2026-12-04 (medians of 3 alternating runs, ``bench.compare --quick``,
-   this gateway alone): SGLang's shape TTFT p50/p99 0.12/0.44 s -> 0.08/0.20 at a busiest
-   replica 1.00x -> 1.25x, the built-in agent 0.860 -> 0.864, Mooncake synthetic's busiest
-   1.28x -> 1.09x, p99 2.61 -> 2.92 s; full mode's Mooncake conversation (8 replicas) p50/p99
-   0.69/5.15 -> 0.63/4.90 s. A later turn is never new work: its history would be recomputed.
-   Where a new conversation starts is where its later turns will stay, and a small shared base
-   (the part of several system prompts they have in common) is not worth piling the
-   conversations that share it onto the one replica that computed it first. sglang-router's and
-   vllm-router's ``cache_threshold`` (0.5) send such prompts to the smallest tree. By blocks
-   alone, on the built-in agent workload (12 sessions, four system prompts on a 1,118-token
-   base, 4 replicas) new work took the token hit rate from 0.852 to 0.860 and the busiest replica
-   from 1.62x to 1.17x its share of requests, a dozen agent sessions from 0.860 to 0.865 and
-   1.47x to 1.39x (medians of 3 runs, ``bench.compare --quick --shapes dozen``, the rule off
-   then on, the same hour). A prompt nobody holds any of is new work only where this
+   request opens a conversation (a chat's first turn; for a completion, a match within the prefix
+   many prompts share, ``BranchStats.key_depth``), the request is mostly new everywhere. Of the
+   replicas within the bound, the one with the least prompt queued for prefill takes it
+   (``ReplicaView.prefill``: the uncached tokens of requests sent there that have no first token
+   yet), then the least loaded, then the fewest blocks (``Route.BALANCE``; then ring order; no
+   holder's leave): its prefill starts soonest. The rule of 2026-12-04 (load first) against
+   this, alternating, medians of 3 (``bench.compare --quick``, this gateway alone): Mooncake synthetic
+   TTFT p50/p99 0.69/2.91 -> 0.60/2.50 s, conversation 0.98/5.21 -> 0.86/5.22 s at a hit rate of
+   0.036 -> 0.042, a dozen sessions 0.858 -> 0.865; SGLang's shape 0.882 -> 0.875 (a replica
+   decoding many answers, none queued for prefill, draws more documents). A later turn is never new
+   work: its history would be recomputed. Where a new conversation starts is where its later turns
+   will stay, and a small shared base (the part of several system prompts they have in common) is
+   not worth piling the conversations that share it onto the one replica that computed it first.
+   sglang-router's and vllm-router's ``cache_threshold`` (0.5) send such prompts to the smallest
+   tree. By blocks alone, new work took the built-in agent workload (12 sessions, four system
+   prompts on a 1,118-token base) from 0.852 to 0.860 at a busiest replica of 1.62x -> 1.17x (3
+   runs each, the rule off then on). A prompt nobody holds any of is new work only where this
    instance is the only router (``routing.sole_router``); elsewhere it goes by the ring, where
-   every instance sends it. KV events do not make several instances agree here: an engine
-   publishes a prefix's blocks once it has computed them, and until then idle instances see
-   the same replica holding the fewest blocks. On SGLang's generated-shared-prefix shape four
-   instances with events placed new documents there in bursts (seven in under a second on one
-   replica), and a document's next question reaching another instance before the events
-   placed it again: 21 computations of 16 documents a run (2 runs, request logs); on the ring
-   18-19, and 0.874 against one instance's 0.882 (``bench/results/instances``). Placed by the
-   ring, the 32 documents of vLLM's prefix_repetition drew 97, 91, 85 and 47 requests on 4
-   replicas, and the busiest holders' spills recomputed whole documents: the only router
-   places them as new work.
+   every instance sends it. KV events do not make several instances agree here: an engine publishes
+   a prefix's blocks once it has computed them, and until then idle instances see the same replica
+   holding the fewest blocks. On SGLang's generated-shared-prefix shape four instances with events
+   placed new documents there in bursts (seven in under a second on one replica), and a document's
+   next question reaching another instance before the events placed it again: 21 computations of 16
+   documents a run (2 runs, request logs); on the ring 18-19, and 0.874 against one instance's
+   0.882 (``bench/results/instances``). Placed by the ring, the 32 documents of vLLM's
+   prefix_repetition drew 97, 91, 85 and 47 requests on 4 replicas, and the busiest holders' spills
+   recomputed whole documents: the only router places them as new work.
 4. Choice: among replicas within the bound, the one holding most of the prompt; ties go in ring
    order of the request's key. The key is the session key when the caller gives one (a client's
    session id, or a chat's opening, ``PromptInfo.opening``), else the block chain through the
@@ -91,11 +89,11 @@ a document shared by many prompts  they follow it to its holder, up to the holde
 one system prompt, many sessions   everyone holds it (a tie): sessions spread by load, or by
                                    their own keys where instances have no common picture
 one prefix, many single requests   everyone holds it (a tie): the least loaded holder takes each
-nothing cached anywhere            the least loaded replica within the bound, then the one
-                                   holding the fewest blocks; with several instances, the ring
+nothing cached anywhere            the replica within the bound with the least prompt queued
+                                   for prefill, then load, then blocks; with several instances, the ring
                                    owner of the key, or the next within the bound
-a new chat on a small shared base  the least loaded replica within the bound, then the one
-                                   holding the fewest blocks, with one instance or several
+a new chat on a small shared base  the replica within the bound with the least prompt queued
+                                   for prefill, then load, then blocks, with one instance or several
 =================================  =============================================================
 
 The route reported: ``affinity`` when the choice is the key's ring owner, ``sticky`` when another
@@ -135,8 +133,8 @@ class Route(str, enum.Enum):
     AFFINITY = "affinity"  # the ring's owner of the routing key
     SPILL = "spill"  # the preferred replica was over the load bound
     STICKY = "sticky"  # a replica other than the owner held more of the prompt
-    # chosen by load: a prompt mostly new everywhere, to the least loaded replica (then fewest
-    # blocks held); or one several replicas hold equally, to the least loaded of them
+    # chosen by load: a prompt mostly new everywhere, to the replica with the least prompt queued
+    # for prefill (then load, then blocks held); or one several replicas hold equally, by load
     BALANCE = "balance"
     FALLBACK = "fallback"  # a baseline policy
     # Not the policy's: the proxy's label for an attempt after the first replica failed (the
@@ -152,6 +150,7 @@ class ReplicaView:
     load: int  # requests in flight on it, counted at send (``ReplicaState.routing_load``)
     shadow: ShadowIndex
     recent: float = 0.0  # requests sent to it lately, decayed (``ReplicaState.recent_share``)
+    prefill: int = 0  # prompt units queued for prefill on it (``ReplicaState.prefill_units``)
     # ``shadow`` is the engine's own picture (fresh KV events), which every gateway instance reads
     engine: bool = False
 
@@ -307,7 +306,7 @@ class PrefixAffinityPolicy:
             # mostly new work: what a replica holds of it is worth less than where its later
             # turns will stay and how soon its prefill starts; the least loaded replica takes
             # it, the one holding the fewest blocks among equals (then ring order)
-            replica = min(fitting, key=lambda r: (replicas[r].load, len(replicas[r].shadow)))
+            replica = min(fitting, key=lambda r: (replicas[r].prefill, replicas[r].load, len(replicas[r].shadow)))
             return decide(replica, Route.BALANCE, predicted_blocks=matches[replica])
         # The holder's leave: a replica past the bounds that alone holds more of the prompt than
         # any fitting one, where that prefix is cold, keeps it up to the holder bounds.

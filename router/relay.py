@@ -149,7 +149,8 @@ class UsageFilter:
 
 async def relay(request: web.Request, upstream: aiohttp.ClientResponse, name: str, *, stream: bool,
                 client_wants_usage: bool, write_timeout_s: float, sent_at: float,
-                watch: Callable[[bytes], None] | None = None, events=None) -> Relayed:
+                watch: Callable[[bytes], None] | None = None, events=None,
+                on_first_token: Callable[[], None] | None = None) -> Relayed:
     """Pass ``upstream`` (replica ``name``'s answer, status below 500) to the client.
 
     ``stream``: the client asked for SSE; a non-200 answer is relayed whole either way.
@@ -158,7 +159,8 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, name: st
     ``watch``: called with each chunk of a stream as it arrives (the passthrough reads a
     Responses stream's id with it). ``events``: what reads the stream on the way, a
     ``UsageFilter`` unless given (``dialects.Events`` for Responses and Messages streams); its
-    ``usage`` is the usage returned.
+    ``usage`` is the usage returned. ``on_first_token``: called once when a stream's first data
+    event arrives (the replica finished the prompt's prefill); not for an answer in one body.
     Raises nothing for the client's side (a client that left is ``CLIENT_GONE``); a replica that
     fails mid-stream gets an error event in the stream and status 502. A stream's headers go to
     the client with its first chunk, so a replica that fails before it raises
@@ -188,7 +190,7 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, name: st
     client = _Client(request, response, name, write_timeout_s)
     if events is None:
         events = UsageFilter(keep_usage=client_wants_usage)
-    status, ttft = await _pump(chunks(), client, events, watch, sent_at)
+    status, ttft = await _pump(chunks(), client, events, watch, sent_at, on_first_token)
     if status != CLIENT_GONE:
         with contextlib.suppress(ConnectionError):
             await response.write_eof()
@@ -213,7 +215,7 @@ async def _relay_body(upstream: aiohttp.ClientResponse, headers: dict, sent_at: 
 
 
 async def _pump(chunks, client: _Client, events, watch: Callable[[bytes], None] | None,
-                sent_at: float) -> tuple[int, float | None]:
+                sent_at: float, on_first_token: Callable[[], None] | None = None) -> tuple[int, float | None]:
     """Pass a started stream's ``chunks`` through ``events`` to ``client``: (the status counted,
     the seconds from ``sent_at`` to the first data event or None). A replica that fails here
     gets an error event sent after what already reached the client (no retry: 502)."""
@@ -225,6 +227,8 @@ async def _pump(chunks, client: _Client, events, watch: Callable[[bytes], None] 
             data = events.feed(chunk)
             if ttft is None and events.saw_data:
                 ttft = time.perf_counter() - sent_at
+                if on_first_token is not None:
+                    on_first_token()
             if data and not await client.send(data):
                 return CLIENT_GONE, ttft
         data = events.flush()

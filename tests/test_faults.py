@@ -423,3 +423,33 @@ async def test_a_trial_request_whose_client_leaves_frees_the_half_open_breaker_f
     assert faulty.posts == posts + 1, "no trial reached the replica: no test"
     await wait_until(lambda: not breaker.trial_inflight, 2)
     assert breaker.allows(time.monotonic())  # another trial may go
+
+
+async def test_a_prompt_counts_as_queued_prefill_on_its_replica_until_its_first_token(fleet, aiohttp_server,
+                                                                                     aiohttp_client):
+    """``ReplicaState.prefill_units`` (what new work compares): a request's uncached prompt counts
+    on its replica from sending until the first token, not for the rest of its stream, and
+    nothing stays counted once it ends, whether a first token came or the attempt timed out."""
+    faulty = FaultyReplica()
+    hung = str((await aiohttp_server(faulty.app)).make_url("")).rstrip("/")
+    config = config_from_dict({"replicas": [hung], "upstream": {"header_timeout_s": 0.5, "max_retries": 0}})
+    client = await aiohttp_client(create_app(config, ByteTokenizer()))
+    (replica,) = client.app[GATEWAY].replicas.values()
+    faulty.mode = "hang_generation"
+    waiting = asyncio.create_task(_send(client, 0, stream=True))
+    await wait_until(lambda: replica.inflight == 1, 5)
+    assert replica.prefill_units > 0  # sent, no first token yet
+    status, _, _ = await waiting
+    assert status == 502 and (replica.inflight, replica.prefill_units) == (0, 0)
+
+    (sim,) = await fleet(1, time_scale=1.0)  # modelled time: 500 tokens take seconds to decode
+    config = config_from_dict({"replicas": [str(sim.make_url("")).rstrip("/")]})
+    client = await aiohttp_client(create_app(config, ByteTokenizer()))
+    (replica,) = client.app[GATEWAY].replicas.values()
+    async with client.post("/v1/chat/completions", json=_chat_body(1, stream=True, max_tokens=500)) as resp:
+        while not (await resp.content.readline()).startswith(b"data: {"):
+            pass
+        assert (replica.inflight, replica.prefill_units) == (1, 0)  # decoding: its prefill is done
+        await resp.read()
+    await wait_until(lambda: replica.inflight == 0, 5)
+    assert replica.prefill_units == 0

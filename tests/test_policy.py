@@ -705,6 +705,30 @@ def test_new_work(case, held, sizes, loads, threshold, expected, route):
     assert d.best_blocks == max(held) and d.predicted_blocks == held[NAMES.index(want)]
 
 
+# (case, loads, prompt units queued for prefill, the replica expected): the same prompt as above,
+# of which replica 1 holds 4 of 10 blocks (new work at a threshold of 0.5); loads summing to 3
+# make the bound ceil(max(1.25 x 4 / 4, 4 / 4 + 1)) = 2, so a replica at load 2 is over it
+PREFILL_CASES = [
+    ("the replica with the least prompt queued for prefill takes new work before a less loaded one",
+     [1, 0, 1, 1], [0, 900, 2000, 300], 0),
+    ("between replicas with equal prompt queued for prefill the least loaded takes new work",
+     [1, 1, 0, 1], [0, 0, 0, 500], 2),
+    ("a replica with nothing queued for prefill is passed over while it is over the load bound",
+     [2, 0, 0, 1], [0, 900, 2000, 300], 3),
+]
+
+
+@pytest.mark.parametrize("case, loads, prefills, expected", PREFILL_CASES, ids=[c[0] for c in PREFILL_CASES])
+def test_new_work_goes_where_the_least_prompt_is_queued_for_prefill(case, loads, prefills, expected):
+    policy, _, _, views = setup(RoutingConfig(match_threshold=0.5))
+    prompt = fresh(10)
+    for view, held, load, prefill in zip(views.values(), [0, 4, 0, 0], loads, prefills):
+        view.shadow.insert(prompt[:held] + fresh(20))
+        view.load, view.prefill = load, prefill
+    d = select(policy, prompt, views, session_key="new", first_turn=True)
+    assert (d.replica, d.route) == (NAMES[expected], Route.BALANCE)
+
+
 @pytest.mark.parametrize("case, sole, engine_views, balances", [
     ("the only router places a prompt nobody holds as new work", True, [False] * 4, True),
     ("one of several instances sends a prompt nobody holds to the ring owner, as every instance would",

@@ -89,9 +89,9 @@ class RoutingConfig:
     holder_share_factor: float = 1.5
     holder_slack: int = 2
     # a prompt whose longest cached prefix anywhere is under this share of it is mostly new
-    # work: it goes to the least loaded replica within the bounds (then the one holding the
-    # fewest blocks: router/policy.py, step 3), not to the one holding that small prefix,
-    # which would draw every new conversation that shares a hot base prompt onto one replica
+    # work: it goes to the replica within the bounds with the least prompt queued for prefill
+    # (then load, then fewest blocks: router/policy.py, step 3), not to the one holding that
+    # small prefix, which would draw every new conversation sharing a hot base onto one replica
     # (sglang-router's and vllm-router's cache_threshold, 0.5). Measured with the fewest blocks
     # alone (bench.compare --quick, medians of 3, off then on): the built-in agent workload
     # 0.852 -> 0.860 with the busiest replica 1.62x -> 1.17x. It reads this instance's picture:
@@ -101,8 +101,8 @@ class RoutingConfig:
     match_threshold: float = 0.5
     # this gateway is the only router in front of these replicas (one instance, workers 1): a
     # prompt nobody holds any of is new work too, placed by this instance's picture (least
-    # loaded, then fewest blocks held), not by the ring. Several instances, or workers above 1,
-    # keep it on the ring, where every instance puts it at once, KV events or not: an engine
+    # prompt queued for prefill, then load, then blocks), not by the ring. Several instances, or
+    # workers above 1, keep it on the ring, where every instance puts it at once, KV events or not: an engine
     # publishes a prefix only once it has computed it, and until then every instance would see
     # the same replica holding the fewest blocks (four instances with events computed 16
     # documents 21 times a run on SGLang's shape). Measured (bench.compare --quick, medians of 3):
