@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -233,7 +234,9 @@ class _Exchange:
         failed, self.slot = self.slot, None
         failed.ok, failed.failed = False, True
         failed.__exit__(None, None, None)
-        self.slot = InFlight(self.gw, self.gw.replicas[served], self.info, self.decision).__enter__()
+        held = self.decision.matches.get(served, 0)  # what the fallback holds, not the chosen one
+        self.slot = InFlight(self.gw, self.gw.replicas[served], self.info,
+                             dataclasses.replace(self.decision, replica=served, predicted_blocks=held)).__enter__()
         self.route = Route.RETRY
 
     def on_response_headers(self, request: pb.ProcessingRequest) -> Answers:

@@ -14,7 +14,9 @@ While an attempt is in flight (``InFlight``, also the Endpoint Picker's: ``epp.p
 bound's load), in ``sent_since_scrape`` (its queue depth) and in its share of recent requests;
 its blocks count as cached at once, in the shadow index and in the KV event view, since vLLM
 makes blocks hittable as soon as they are scheduled and a burst of one prefix must see them.
-All of it is taken back when the attempt ends, whatever the way.
+Its uncached blocks count in ``prefill_blocks`` (what new work compares) until the replica's
+first token (a stream's first data event; an answer in one body, until it ends). All of it is
+taken back when the attempt ends, whatever the way.
 """
 
 from __future__ import annotations
@@ -157,12 +159,13 @@ class InFlight:
         self.evicted_blocks: tuple[int, ...] = ()
         # what the replica held before this attempt's own blocks count (routing's view of it)
         self.held_blocks = min(replica.cache_index(info.exact).match_ever(info.hashes), gw.max_hit_blocks(info))
-        unit = gw.block_size if info.exact else gw.config.routing.char_block_size
-        self.prefill = max(info.num_units - decision.predicted_blocks * unit, 0)  # released at the first token
+        # the prompt's blocks (partial last one included) the replica is not believed to hold:
+        # in blocks, so token and character prompts count alike
+        self.prefill = max(-(-info.num_units // gw.unit_block_size(info)) - decision.predicted_blocks, 0)
 
     def prefilled(self) -> None:
         """The replica sent the first token: the prompt's prefill no longer queues on it."""
-        self.replica.prefill_units -= self.prefill
+        self.replica.prefill_blocks -= self.prefill
         self.prefill = 0
 
     def relayed(self, status: int) -> None:
@@ -179,7 +182,7 @@ class InFlight:
         r.sent_since_scrape += 1
         self.epoch = r.scrape_epoch
         r.inflight += 1
-        r.prefill_units += self.prefill
+        r.prefill_blocks += self.prefill
         gw.metrics.inflight.labels(r.name).set(r.inflight)
         gw.admission.notify()  # this request's load is counted: the next waiter, if any, may go
         self.added = r.shadow.insert(info.hashes)

@@ -169,8 +169,8 @@ METRIC_NAMES = (
     "prefix_router_replica_inflight", "prefix_router_replica_healthy", "prefix_router_replica_breaker_state",
     "prefix_router_admission_waiting", "prefix_router_admission_rejected_total", "prefix_router_routing_seconds",
     "prefix_router_analysis_seconds", "prefix_router_ttft_seconds", "prefix_router_request_seconds",
-    "prefix_router_kv_events_total", "prefix_router_kv_event_gaps_total", "prefix_router_kv_parity_total", "prefix_router_kv_view_fresh",
-    "prefix_router_kv_view_blocks",
+    "prefix_router_kv_events_total", "prefix_router_kv_event_gaps_total", "prefix_router_kv_parity_total",
+    "prefix_router_kv_view_fresh", "prefix_router_kv_view_blocks",
 )
 
 

@@ -34,7 +34,7 @@
    request opens a conversation (a chat's first turn; for a completion, a match within the prefix
    many prompts share, ``BranchStats.key_depth``), the request is mostly new everywhere. Of the
    replicas within the bound, the one with the least prompt queued for prefill takes it
-   (``ReplicaView.prefill``: the uncached tokens of requests sent there that have no first token
+   (``ReplicaView.prefill``: the uncached blocks of requests sent there that have no first token
    yet), then the least loaded, then the fewest blocks (``Route.BALANCE``; then ring order; no
    holder's leave): its prefill starts soonest. The rule of 2026-12-04 (load first) against
    this, alternating, medians of 3 (``bench.compare --quick``, this gateway alone): Mooncake synthetic
@@ -150,7 +150,7 @@ class ReplicaView:
     load: int  # requests in flight on it, counted at send (``ReplicaState.routing_load``)
     shadow: ShadowIndex
     recent: float = 0.0  # requests sent to it lately, decayed (``ReplicaState.recent_share``)
-    prefill: int = 0  # prompt units queued for prefill on it (``ReplicaState.prefill_units``)
+    prefill: int = 0  # prompt blocks queued for prefill on it (``ReplicaState.prefill_blocks``)
     # ``shadow`` is the engine's own picture (fresh KV events), which every gateway instance reads
     engine: bool = False
 
@@ -304,8 +304,8 @@ class PrefixAffinityPolicy:
                          matches=matches)
         if fitting and self._is_new_work(first_turn, best, depth, cap):
             # mostly new work: what a replica holds of it is worth less than where its later
-            # turns will stay and how soon its prefill starts; the least loaded replica takes
-            # it, the one holding the fewest blocks among equals (then ring order)
+            # turns will stay and how soon its prefill starts: the least prompt queued for
+            # prefill takes it, then the least loaded, then the fewest blocks (then ring order)
             replica = min(fitting, key=lambda r: (replicas[r].prefill, replicas[r].load, len(replicas[r].shadow)))
             return decide(replica, Route.BALANCE, predicted_blocks=matches[replica])
         # The holder's leave: a replica past the bounds that alone holds more of the prompt than

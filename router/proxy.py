@@ -173,7 +173,7 @@ def choose(gw: Gateway, info: PromptInfo, session: str | None, exclude: frozense
         if r.routable and r.name not in exclude and (allowed is None or r.name in allowed):
             index = r.cache_index(info.exact)
             views[r.name] = ReplicaView(r.name, r.routing_load, index, r.recent_share(now, half_life),
-                                        r.prefill_units, engine=index is not r.shadow)
+                                        prefill=r.prefill_blocks, engine=index is not r.shadow)
     if not views:
         return None
     started = time.perf_counter()

@@ -58,9 +58,10 @@ class ReplicaState:
     sent_since_scrape: int = 0  # requests sent since the last scrape and still in flight
     scrape_epoch: int = 0  # counts scrapes, so a finishing request knows if it was counted
     inflight: int = 0  # this gateway's requests on the replica now
-    # prompt tokens (characters without a tokenizer) this gateway sent it that it has not cached
-    # as predicted and has not yet prefilled: its requests in flight before their first token
-    prefill_units: int = 0
+    # blocks (a character block counting as one) of the prompts this gateway sent it that it has
+    # not cached as predicted and has not prefilled yet: until a stream's first data event, or the
+    # end of an answer sent in one body (its first token comes with its last)
+    prefill_blocks: int = 0
     # requests the engine ran or queued at the last scrape beyond this gateway's own then:
     # what other gateway instances (or clients going around the gateway) put on it
     others: int = 0

@@ -420,6 +420,8 @@ async def test_fallbacks_follow_the_choice_and_a_fallback_that_served_takes_the_
         "x-gateway-destination-endpoint"].string_value == ",".join(endpoints)  # the same value in both
     chosen, fallback = endpoints[0], endpoints[1]
     assert gw.replicas[chosen].inflight == 1
+    queued = gw.replicas[chosen].prefill_blocks  # the prompt, queued for prefill there (new work)
+    assert queued > 0
     # the gateway reports that the first fallback served it: the request counts there, as a retry
     served = struct_pb2.Struct()
     served.update({"envoy.lb": {"x-gateway-destination-endpoint-served": fallback}})
@@ -427,6 +429,8 @@ async def test_fallbacks_follow_the_choice_and_a_fallback_that_served_takes_the_
     request.metadata_context.filter_metadata["envoy.lb"].CopyFrom(served.fields["envoy.lb"].struct_value)
     (headers,) = exchange.on_response_headers(request)
     assert (gw.replicas[chosen].inflight, gw.replicas[fallback].inflight) == (0, 1)
+    # neither held any of it: the same prompt now queues on the fallback alone
+    assert (gw.replicas[chosen].prefill_blocks, gw.replicas[fallback].prefill_blocks) == (0, queued)
     assert gw.replicas[chosen].breaker.failures == 1
     named = {h.header.key: h.header.raw_value.decode() for h in headers.response_headers.response.header_mutation.set_headers}
     assert named["x-prefix-router-replica"] == fallback
@@ -435,7 +439,7 @@ async def test_fallbacks_follow_the_choice_and_a_fallback_that_served_takes_the_
                         "prompt_tokens_details": {"cached_tokens": 0}}}
     exchange.on_response_body(pb.ProcessingRequest(response_body=pb.HttpBody(body=json.dumps(answer).encode(),
                                                                               end_of_stream=True)))
-    assert gw.replicas[fallback].inflight == 0
+    assert (gw.replicas[fallback].inflight, gw.replicas[fallback].prefill_blocks) == (0, 0)
     from prometheus_client import generate_latest
 
     page = generate_latest(gw.metrics.registry).decode()

@@ -427,7 +427,7 @@ async def test_a_trial_request_whose_client_leaves_frees_the_half_open_breaker_f
 
 async def test_a_prompt_counts_as_queued_prefill_on_its_replica_until_its_first_token(fleet, aiohttp_server,
                                                                                      aiohttp_client):
-    """``ReplicaState.prefill_units`` (what new work compares): a request's uncached prompt counts
+    """``ReplicaState.prefill_blocks`` (what new work compares): a request's uncached prompt counts
     on its replica from sending until the first token, not for the rest of its stream, and
     nothing stays counted once it ends, whether a first token came or the attempt timed out."""
     faulty = FaultyReplica()
@@ -438,9 +438,9 @@ async def test_a_prompt_counts_as_queued_prefill_on_its_replica_until_its_first_
     faulty.mode = "hang_generation"
     waiting = asyncio.create_task(_send(client, 0, stream=True))
     await wait_until(lambda: replica.inflight == 1, 5)
-    assert replica.prefill_units > 0  # sent, no first token yet
+    assert replica.prefill_blocks > 0  # sent, no first token yet
     status, _, _ = await waiting
-    assert status == 502 and (replica.inflight, replica.prefill_units) == (0, 0)
+    assert status == 502 and (replica.inflight, replica.prefill_blocks) == (0, 0)
 
     (sim,) = await fleet(1, time_scale=1.0)  # modelled time: 500 tokens take seconds to decode
     config = config_from_dict({"replicas": [str(sim.make_url("")).rstrip("/")]})
@@ -449,7 +449,40 @@ async def test_a_prompt_counts_as_queued_prefill_on_its_replica_until_its_first_
     async with client.post("/v1/chat/completions", json=_chat_body(1, stream=True, max_tokens=500)) as resp:
         while not (await resp.content.readline()).startswith(b"data: {"):
             pass
-        assert (replica.inflight, replica.prefill_units) == (1, 0)  # decoding: its prefill is done
+        assert (replica.inflight, replica.prefill_blocks) == (1, 0)  # decoding: its prefill is done
         await resp.read()
     await wait_until(lambda: replica.inflight == 0, 5)
-    assert replica.prefill_units == 0
+    assert replica.prefill_blocks == 0
+
+
+async def test_new_work_goes_to_the_replica_with_the_least_prompt_queued_for_prefill(aiohttp_server, aiohttp_client):
+    """Through the gateway, not only the policy: two replicas, one request in flight on each, a
+    short prompt on the one that holds more blocks (it answered a long prompt before) and a
+    longer one on the other. A new conversation goes to the first: less is queued for prefill
+    there, though by blocks held it would go to the second."""
+    faulty = [FaultyReplica(), FaultyReplica()]
+    urls = [str((await aiohttp_server(f.app)).make_url("")).rstrip("/") for f in faulty]
+    client = await aiohttp_client(create_app(config_from_dict({"replicas": urls}), ByteTokenizer()))
+    gw = client.app[GATEWAY]
+    await wait_until(lambda: all(r.routable for r in gw.replicas.values()), 5)
+
+    def chat(text: str) -> dict:
+        return {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
+
+    resp = await client.post("/v1/chat/completions", json=chat("a long document " * 200))
+    assert resp.status == 200
+    big = gw.replicas[resp.headers[REPLICA_HEADER]]  # holds the most blocks from now on
+    (small,) = [r for r in gw.replicas.values() if r is not big]
+    for f in faulty:
+        f.mode = "hang_generation"
+    medium = asyncio.create_task(client.post("/v1/chat/completions", json=chat("a medium question " * 30)))
+    await wait_until(lambda: small.inflight == 1, 5)  # new work: equal loads, the fewest blocks
+    short = asyncio.create_task(client.post("/v1/chat/completions", json=chat("a short one " * 4)))
+    await wait_until(lambda: big.inflight == 1, 5)  # the least loaded
+    assert 0 < big.prefill_blocks < small.prefill_blocks and len(big.shadow) > len(small.shadow)
+    new = asyncio.create_task(client.post("/v1/chat/completions", json=chat("a new conversation " * 10)))
+    await wait_until(lambda: big.inflight + small.inflight == 3, 5)
+    assert big.inflight == 2
+    for f in faulty:
+        f.mode = "ok"
+    assert [(await t).status for t in (medium, short, new)] == [200, 200, 200]

@@ -238,7 +238,8 @@ def test_documents_each_wanted_by_a_few_requests_stay_on_one_holder_each_past_th
 
 def test_documents_nobody_holds_are_new_work_and_spread_evenly_before_their_questions_follow():
     # The same 8 documents with new work on (the default): the first question of each finds
-    # nothing anywhere, so it goes to the least loaded replica (the fewest blocks among equals),
+    # nothing anywhere, so it goes to the least loaded replica (none has prompt queued for
+    # prefill here; the fewest blocks among equals),
     # not the ring owner of its key; each replica gets two documents (2 x 21 blocks), and every
     # later question follows its document's one holder, so the loads come out equal: 64 / 4 = 16
     # each.
@@ -705,16 +706,16 @@ def test_new_work(case, held, sizes, loads, threshold, expected, route):
     assert d.best_blocks == max(held) and d.predicted_blocks == held[NAMES.index(want)]
 
 
-# (case, loads, prompt units queued for prefill, the replica expected): the same prompt as above,
+# (case, loads, prompt blocks queued for prefill, the replica expected): the same prompt as above,
 # of which replica 1 holds 4 of 10 blocks (new work at a threshold of 0.5); loads summing to 3
 # make the bound ceil(max(1.25 x 4 / 4, 4 / 4 + 1)) = 2, so a replica at load 2 is over it
 PREFILL_CASES = [
     ("the replica with the least prompt queued for prefill takes new work before a less loaded one",
-     [1, 0, 1, 1], [0, 900, 2000, 300], 0),
+     [1, 0, 1, 1], [0, 9, 20, 3], 0),
     ("between replicas with equal prompt queued for prefill the least loaded takes new work",
-     [1, 1, 0, 1], [0, 0, 0, 500], 2),
+     [1, 1, 0, 1], [0, 0, 0, 5], 2),
     ("a replica with nothing queued for prefill is passed over while it is over the load bound",
-     [2, 0, 0, 1], [0, 900, 2000, 300], 3),
+     [2, 0, 0, 1], [0, 9, 20, 3], 3),
 ]
 
 
