@@ -239,10 +239,9 @@ def test_documents_each_wanted_by_a_few_requests_stay_on_one_holder_each_past_th
 def test_documents_nobody_holds_are_new_work_and_spread_evenly_before_their_questions_follow():
     # The same 8 documents with new work on (the default): the first question of each finds
     # nothing anywhere, so it goes to the least loaded replica (none has prompt queued for
-    # prefill here; the fewest blocks among equals),
-    # not the ring owner of its key; each replica gets two documents (2 x 21 blocks), and every
-    # later question follows its document's one holder, so the loads come out equal: 64 / 4 = 16
-    # each.
+    # prefill here; the fewest blocks among equals), not the ring owner of its key; each replica
+    # gets two documents (2 x 21 blocks), and every later question follows its document's one
+    # holder, so the loads come out equal: 64 / 4 = 16 each.
     policy, _, _, views = setup()
     docs = [[BlockHash(100 * d + i) for i in range(20)] for d in range(8)]
     holders = {d: set() for d in range(8)}

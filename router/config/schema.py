@@ -102,10 +102,10 @@ class RoutingConfig:
     # this gateway is the only router in front of these replicas (one instance, workers 1): a
     # prompt nobody holds any of is new work too, placed by this instance's picture (least
     # prompt queued for prefill, then load, then blocks), not by the ring. Several instances, or
-    # workers above 1, keep it on the ring, where every instance puts it at once, KV events or not: an engine
-    # publishes a prefix only once it has computed it, and until then every instance would see
-    # the same replica holding the fewest blocks (four instances with events computed 16
-    # documents 21 times a run on SGLang's shape). Measured (bench.compare --quick, medians of 3):
+    # workers above 1, keep it on the ring, where every instance puts it at once, KV events or
+    # not: an engine publishes a prefix only once it has computed it, and until then every
+    # instance would see the same replica holding the fewest blocks (four instances with events
+    # computed 16 documents 21 times a run on SGLang's shape). Measured (bench.compare --quick, medians of 3):
     # vLLM's prefix_repetition chat 0.787 -> 0.796 with the busiest replica 1.20x -> 1.05x,
     # completions 0.800 -> 0.800 at 1.26x -> 1.05x, SGLang's shared-prefix shape 0.879 -> 0.882
     # (the pooled bound) at 1.25x -> 1.00x: the ring placed documents unevenly. A second A/B a
