@@ -116,17 +116,42 @@ def test_with_events_every_prediction_is_the_engines_under_eviction(engines, tmp
     lines = _read_log(log)
     # a request queued behind another may find part of its prefix evicted to make room for that
     # one's blocks (a slow machine, a small cache): the events say which, and it must be all
-    differ = [(d["predicted_cached_tokens"], d["evicted_in_flight_tokens"], d["cached_tokens"]) for d in lines
-              if d["predicted_cached_tokens"] - d["evicted_in_flight_tokens"] != d["cached_tokens"]]
+    wrong = [d for d in lines if d["predicted_cached_tokens"] - d["evicted_in_flight_tokens"] != d["cached_tokens"]]
+    differ = _unexplained(wrong)  # ... and two requests of one prefix may reach the engine swapped
     evicted = sum(1 for d in lines if d["evicted_in_flight_tokens"])
     events = sample_sum(page, "prefix_router_kv_events_total")
-    print(f"\n{kind}: {len(lines)} requests; predictions exact {len(lines) - len(differ)}/{len(lines)} "
-          f"({evicted} with blocks evicted in flight); events {events:.0f}; "
+    print(f"\n{kind}: {len(lines)} requests; predictions exact {len(lines) - len(wrong)}/{len(lines)} "
+          f"({evicted} with blocks evicted in flight, {(len(wrong) - len(differ)) // 2} pairs swapped at the engine); "
+          f"events {events:.0f}; "
           f"parity {[(r['kv_events']['parity_matches'], r['kv_events']['parity_mismatches']) for r in view]}")
     assert len(lines) == len(requests) and not differ, differ
     assert sample_sum(page, "prefix_router_kv_parity_total", result="mismatch") == 0
     assert sample_sum(page, "prefix_router_kv_parity_total", result="match") == len(lines)
     assert all(r["kv_events"]["routing_by_events"] and r["kv_events"]["gaps_lost"] == 0 for r in view)
+
+
+def _unexplained(differ: list[dict]) -> list[tuple[int, int, int]]:
+    """(predicted, evicted in flight, cached) tokens of the request-log lines in ``differ`` that a
+    swap does not explain. Two requests of one prefix sent to one replica a moment apart may reach
+    its engine in the other order (vLLM's API server renders and tokenizes requests concurrently):
+    the gateway counted the first one sent as the prefix's prefill, the engine the second, and
+    each one's engine figure is the other's prediction. Such a pair, in flight together, is not a
+    wrong picture of the cache."""
+    def swapped(a: dict, b: dict) -> bool:
+        return (a["replica"] == b["replica"]
+                and a["t"] - a["elapsed_s"] < b["t"] and b["t"] - b["elapsed_s"] < a["t"]  # in flight together
+                and a["predicted_cached_tokens"] - a["evicted_in_flight_tokens"] == b["cached_tokens"]
+                and b["predicted_cached_tokens"] - b["evicted_in_flight_tokens"] == a["cached_tokens"])
+
+    left = list(differ)
+    i = 0
+    while i < len(left):
+        j = next((j for j in range(i + 1, len(left)) if swapped(left[i], left[j])), None)
+        if j is None:
+            i += 1
+        else:
+            del left[j], left[i]
+    return [(d["predicted_cached_tokens"], d["evicted_in_flight_tokens"], d["cached_tokens"]) for d in left]
 
 
 def test_a_gateway_with_another_tokenizer_raises_the_parity_alarm_and_says_why(engines, tmp_path):
