@@ -29,6 +29,13 @@ printed beside it), the busiest replica's share of requests and of prefill
 tokens (1.00 is a perfect spread), TTFT p50/p90/p99 and end-to-end latency p50/p99 at the client
 in modelled seconds (wall x time scale), and errors.
 
+Time compression speeds up the simulated GPUs, not the routers: a router's own milliseconds,
+multiplied by the time scale with the rest, would weigh 10x (quick) or 5x (full) what they weigh
+in front of real GPUs. So for the replayed workloads the table also gives TTFT p50/p99 with each
+request's replica time scaled and the rest counted as timed (``hop_ttft``: wall TTFT + (time scale
+- 1) x the replica's own time to the first token, which the simulator sends in the stream:
+``sim_ttft_s``). ``vllm bench serve`` reports percentiles only; its cells have the scaled figures.
+
     python -m bench.compare            # full: 8 replicas, 2,000 requests per trace (~75 min on 2 cores, estimated)
     python -m bench.compare --quick    # 4 replicas, 150 requests per trace (~25 min on 2 cores)
 
@@ -52,7 +59,7 @@ from pathlib import Path
 from router.tools.launch import find_vllm_python, running, sim_server
 from router.tools.replay.client import replay
 from router.tools.replay.generate import builtin_workload
-from router.tools.replay.summary import summarize
+from router.tools.replay.summary import percentile, summarize
 from router.tools.replay.workloads import load_mooncake
 
 from .fleet import ROOT, ROUTES, metric_sum, pinned, scrape, tiny_tokenizer
@@ -148,12 +155,14 @@ def run_cell(system: System, work: Workload, args, peers_bin: Path | None, log_d
         s = summarize(records, args.time_scale)
         errors = [r.error for r in records if r.error is not None or r.status != 200]
         times = {**{f"ttft_p{q}_s": modelled(s[f"ttft_p{q}_s"]) for q in (50, 90, 99)},
-                 **{f"latency_p{q}_s": modelled(s[f"latency_p{q}_s"]) for q in (50, 99)}}
+                 **{f"latency_p{q}_s": modelled(s[f"latency_p{q}_s"]) for q in (50, 99)},
+                 **{f"hop_ttft_p{q}_s": percentile(hop_ttfts(records, args.time_scale), q) for q in (50, 99)}}
         count = len(records)
     else:  # vllm bench serve reports wall milliseconds
         errors = [f"{bench['failed']} failed"] if bench.get("failed") else []
         times = {**{f"ttft_p{q}_s": modelled(bench[f"p{q}_ttft_ms"] / 1000) for q in (50, 90, 99)},
-                 **{f"latency_p{q}_s": modelled(bench[f"p{q}_e2el_ms"] / 1000) for q in (50, 99)}}
+                 **{f"latency_p{q}_s": modelled(bench[f"p{q}_e2el_ms"] / 1000) for q in (50, 99)},
+                 "hop_ttft_p50_s": None, "hop_ttft_p99_s": None}
         count = int(bench["completed"]) + int(bench.get("failed") or 0)
     return {
         "system": system.name, "requests": count, "errors": len(errors),
@@ -165,12 +174,22 @@ def run_cell(system: System, work: Workload, args, peers_bin: Path | None, log_d
         "gateway_results": own and {r: metric_sum(own, "prefix_router_cache_requests_total", result=r)
                                     for r in RESULTS},
         "records": [{"send_s": r.send_s * args.time_scale, "ttft_s": modelled(r.ttft_s),
+                     "replica_ttft_s": modelled(r.replica_ttft_s),
                      "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens} for r in records],
     }
 
 
+def hop_ttfts(records, time_scale: float) -> list[float]:
+    """Each answered request's TTFT with only the replica's part modelled: wall TTFT +
+    (``time_scale`` - 1) x its replica's own time to the first token (``Record.replica_ttft_s``),
+    so the client's, the network's and the router's time count once, as on real GPUs. Seconds;
+    requests without the replica's figure (a replica that is not the simulator) are left out."""
+    return [r.ttft_s + (time_scale - 1) * r.replica_ttft_s for r in records
+            if r.status == 200 and r.error is None and r.ttft_s is not None and r.replica_ttft_s is not None]
+
+
 MEDIAN_KEYS = ("hit_rate", "busiest_requests_of_fair", "busiest_prefill_of_fair", "ttft_p50_s", "ttft_p90_s",
-               "ttft_p99_s", "latency_p50_s", "latency_p99_s")
+               "ttft_p99_s", "latency_p50_s", "latency_p99_s", "hop_ttft_p50_s", "hop_ttft_p99_s")
 
 
 def combine(runs: list[dict]) -> dict:
@@ -203,8 +222,9 @@ def table(results: dict) -> str:
     """The Markdown table: one row per workload and system; with several runs, medians and the
     (min-max) spread of hit rate and TTFT."""
     lines = ["| workload | system | token hit rate | of pooled bound | busiest replica: requests / fair | "
-             "prefill tokens / fair | TTFT p50 / p90 / p99 (s) | latency p50 / p99 (s) | errors |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "prefill tokens / fair | TTFT p50 / p90 / p99 (s) | TTFT p50 / p99, routers' time unscaled (s) | "
+             "latency p50 / p99 (s) | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for w in results["workloads"]:
         for r in w["rows"]:
             lines.append(
@@ -213,6 +233,8 @@ def table(results: dict) -> str:
                 f"{r['busiest_requests_of_fair']:.2f} | {r['busiest_prefill_of_fair']:.2f} | "
                 f"{fmt(r['ttft_p50_s'], '.2f')}{_spread(r, 'ttft_p50_s', '.2f')} / {fmt(r['ttft_p90_s'], '.2f')} / "
                 f"{fmt(r['ttft_p99_s'], '.2f')}{_spread(r, 'ttft_p99_s', '.2f')} | "
+                f"{fmt(r.get('hop_ttft_p50_s'), '.2f')}{_spread(r, 'hop_ttft_p50_s', '.2f')} / "
+                f"{fmt(r.get('hop_ttft_p99_s'), '.2f')}{_spread(r, 'hop_ttft_p99_s', '.2f')} | "
                 f"{fmt(r['latency_p50_s'], '.2f')} / {fmt(r['latency_p99_s'], '.2f')} | {r['errors']} |")
     return "\n".join(lines)
 
@@ -302,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             entry["rows"].append(row)
             print(f"{work.name:34} {system.name:28} hit rate {row['hit_rate']:.3f} ({row['hit_rate'] / bound:.0%} of "
                   f"bound {bound:.3f}), busiest {row['busiest_requests_of_fair']:.2f}, TTFT p50/p99 "
-                  f"{fmt(row['ttft_p50_s'], '.2f')}/{fmt(row['ttft_p99_s'], '.2f')} s, errors {row['errors']}, "
+                  f"{fmt(row['ttft_p50_s'], '.2f')}/{fmt(row['ttft_p99_s'], '.2f')} s (routers' time unscaled "
+                  f"{fmt(row['hop_ttft_p50_s'], '.2f')}/{fmt(row['hop_ttft_p99_s'], '.2f')}), errors {row['errors']}, "
                   f"{row['wall_s']:.0f} s", file=sys.stderr, flush=True)
     if not args.no_overhead:
         results["overhead"] = overhead_sweep(args.system_list, [float(r) for r in args.rates.split(",")],

@@ -18,6 +18,7 @@ from bench.peers import SYSTEMS, ensure_peers
 from bench.pooled import pooled_hit_rate, prompt_token_ids, spread_hit_rate, unbounded_hit_rate
 from bench.shapes import generated_shared_prefix, one_system_prompt
 from bench.vllm_bench import VllmBenchShape, shape_bound
+from router.tools.replay.client import Record
 from router.tools.replay.generate import builtin_workload
 from router.tools.replay.workloads import ReplayRequest
 
@@ -111,6 +112,15 @@ def test_the_pooled_bound_reads_chat_prompts_as_the_simulator_renders_them():
     assert 0 < pooled_hit_rate(requests, 100_000, 16) < 1
 
 
+def test_time_compression_scales_the_replicas_time_to_first_token_and_not_the_rest():
+    # wall TTFT 0.030 s of which the replica's own 0.020 s, at time scale 10: the replica's part
+    # is 0.2 modelled seconds, the 0.010 s of client, network and router stays 0.010
+    record = lambda ttft, own, status=200: Record(0, None, 0, 0.0, ttft, ttft, 1, 0, 1, status, None, None, own)  # noqa: E731
+    records = [record(0.030, 0.020), record(0.030, None), record(0.5, 0.4, status=500), record(None, None)]
+    assert compare.hop_ttfts(records, 10.0) == pytest.approx([0.030 + 9 * 0.020])
+    assert compare.hop_ttfts(records, 1.0) == pytest.approx([0.030])
+
+
 def test_a_small_run_of_every_system_adds_up(tmp_path):
     systems = [s for s in SYSTEMS if not s.is_peer]
     try:
@@ -135,6 +145,9 @@ def test_a_small_run_of_every_system_adds_up(tmp_path):
             # these workloads fit in the fleet's cache: no router can beat one pooled cache
             assert 0 < r["hit_rate"] <= w["pooled_bound"] + 1e-9, (w["name"], r["system"])
             assert r["ttft_p50_s"] <= r["ttft_p90_s"] <= r["ttft_p99_s"]
+            # every router passes the simulator's own time through; counting the router's at
+            # real speed can only lower a time-compressed TTFT
+            assert 0 < r["hop_ttft_p50_s"] <= r["ttft_p50_s"] and 0 < r["hop_ttft_p99_s"] <= r["ttft_p99_s"]
         rates = {r["system"]: r["hit_rate"] for r in w["rows"]}
         assert rates["prefix-router"] > rates["round-robin"], w["name"]
     table = (out / "results.md").read_text()

@@ -43,6 +43,7 @@ class Record:
     status: int  # HTTP status; 0 when no response came
     error: str | None
     replica: str | None  # from the gateway's response header, when present
+    replica_ttft_s: float | None = None  # the simulated replica's own part of ttft_s (its ``sim_ttft_s``)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -89,6 +90,7 @@ async def _send(http: aiohttp.ClientSession, target: str, model: str | None, str
                     text = choice.get("text") or (choice.get("delta") or {}).get("content")
                     if text and record.ttft_s is None:
                         record.ttft_s = time.perf_counter() - start
+                        record.replica_ttft_s = event.get("sim_ttft_s")
                 _usage(record, event.get("usage"))
             record.latency_s = time.perf_counter() - start
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:

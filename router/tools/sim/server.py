@@ -10,6 +10,12 @@ were copied from a running vLLM CPU replica. Bad input gets a 400 (unknown model
 One difference by design: when a stream falls behind the engine, the tokens generated since
 its last write go out as one SSE event (vLLM sends one event per engine step). Clients see the
 same text and the same final usage; only the number of events differs.
+
+One addition: a stream's first event with text carries ``sim_ttft_s``, the replica's own time to
+that token (wall seconds from the request's submission to its engine, so queueing and prefill;
+multiply by the time scale for modelled seconds). OpenAI clients ignore a field they do not know;
+the replay client records it (``Record.replica_ttft_s``) so that a benchmark can scale only the
+replica's part of a time to first token and count the client's and the router's as timed.
 """
 
 from __future__ import annotations
@@ -104,6 +110,7 @@ async def _generate(request: web.Request, params: CompletionParams, token_ids: l
     wake = _Stream()
     sim_req.on_update = wake
     created = int(time.time())
+    submitted = time.perf_counter()
     engine.submit(sim_req)
     try:
         if not params.stream:
@@ -121,12 +128,13 @@ async def _generate(request: web.Request, params: CompletionParams, token_ids: l
                 obj = "text_completion"
             return web.json_response({"id": rid, "object": obj, "created": created, "model": params.model,
                                       "choices": [choice], "usage": _usage(sim_req)})
-        return await _stream(request, sim_req, wake, params, chat, created)
+        return await _stream(request, sim_req, wake, params, chat, created, submitted)
     finally:
         engine.abort(sim_req)  # no-op once finished; frees blocks if the client went away
 
 
-async def _stream(request, sim_req: SimRequest, wake: _Stream, params: CompletionParams, chat: bool, created: int):
+async def _stream(request, sim_req: SimRequest, wake: _Stream, params: CompletionParams, chat: bool, created: int,
+                  submitted: float):
     tokenizer = request.app[TOKENIZER]
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                            "Cache-Control": "no-cache"})
@@ -155,7 +163,8 @@ async def _stream(request, sim_req: SimRequest, wake: _Stream, params: Completio
             choice = f'{{"index":0,"delta":{{"content":{text}}},"logprobs":null,"finish_reason":{reason}}}'
         else:
             choice = f'{{"index":0,"text":{text},"logprobs":null,"finish_reason":{reason},"stop_reason":null}}'
-        chunk = f"{opening}data: {head}{choice}]}}\n\n"
+        own = f',"sim_ttft_s":{time.perf_counter() - submitted:.6f}' if sent == len(tokens) and tokens else ""
+        chunk = f"{opening}data: {head}{choice}]{own}}}\n\n"
         opening = ""
         if finished:
             if params.include_usage:
