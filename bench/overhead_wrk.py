@@ -143,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             for name in names:
                 pin, load_cpus = (None, None) if "--workers" in name else (router_cpu, others)
                 if "--workers" in name:
-                    count = name.split("--workers ")[1].split(",")[0]
+                    workers = name.split("--workers ")[1].split(",")[0]
                     server = System(name, "prefix-router", "prefix-affinity").server(
-                        aliases, log_dir, None, ("--tokenizer", str(tokenizer), "--workers", count))
+                        aliases, log_dir, None, ("--tokenizer", str(tokenizer), "--workers", workers))
                 elif name == FLOOR:
                     server = _floor_server(replica, log_dir)
                 elif name in (GATEWAY, FIRST_TURNS):
