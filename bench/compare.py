@@ -357,8 +357,10 @@ def write(results: dict, args) -> None:
                "computes once what its sessions share with others; a router passes it by grouping sessions "
                "that share a prefix or by loading some replicas more than others. TTFT and "
                "latency are wall time at the client x the time scale: every millisecond a router adds, or "
-               "takes from the replicas' share of the cores, counts that many times over. The vllm-bench rows' "
-               "bound comes from the dataset's shape (each prefix computed once); their latencies are "
+               "takes from the replicas' share of the cores, counts that many times over. The column with the "
+               "routers' time unscaled scales only each request's time in its replica (queue and prefill, "
+               "which the simulator reports) and counts the rest as timed, as in front of real GPUs. The "
+               "vllm-bench rows' bound comes from the dataset's shape (each prefix computed once); their latencies are "
                "vllm bench serve's own percentiles.")
     text = f"{head}\n\n{bounds}\n\n{table(results)}\n"
     if "overhead" in results:
