@@ -80,17 +80,19 @@ async def _send(http: aiohttp.ClientSession, target: str, model: str | None, str
                 record.ttft_s = record.latency_s = time.perf_counter() - start
                 _usage(record, data.get("usage"))
                 return
+            own = None  # the simulator's time to its first token, on the event that carried it
             async for raw in resp.content:
                 if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
                     continue
                 event = json.loads(raw[6:])
                 if "error" in event:
                     record.error = json.dumps(event["error"])[:500]
+                own = event.get("sim_ttft_s", own)
                 for choice in event.get("choices") or ():
                     text = choice.get("text") or (choice.get("delta") or {}).get("content")
                     if text and record.ttft_s is None:
                         record.ttft_s = time.perf_counter() - start
-                        record.replica_ttft_s = event.get("sim_ttft_s")
+                        record.replica_ttft_s = own
                 _usage(record, event.get("usage"))
             record.latency_s = time.perf_counter() - start
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
