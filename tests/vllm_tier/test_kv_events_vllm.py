@@ -135,11 +135,16 @@ def _unexplained(differ: list[dict]) -> list[tuple[int, int, int]]:
     swap does not explain. Two requests of one prefix sent to one replica a moment apart may reach
     its engine in the other order (vLLM's API server renders and tokenizes requests concurrently):
     the gateway counted the first one sent as the prefix's prefill, the engine the second, and
-    each one's engine figure is the other's prediction. Such a pair, in flight together, is not a
-    wrong picture of the cache."""
+    each one's engine figure is the other's prediction. Such a pair, in flight together, the one
+    the gateway under-predicted sent first, is not a wrong picture of the cache."""
+    def start(d: dict) -> float:
+        return d["t"] - d["elapsed_s"]
+
     def swapped(a: dict, b: dict) -> bool:
+        if a["predicted_cached_tokens"] - a["evicted_in_flight_tokens"] > a["cached_tokens"]:
+            a, b = b, a  # a: the one the engine gave more than predicted, the prefill's first sender
         return (a["replica"] == b["replica"]
-                and a["t"] - a["elapsed_s"] < b["t"] and b["t"] - b["elapsed_s"] < a["t"]  # in flight together
+                and start(a) <= start(b) < a["t"]  # sent first, both in flight at once
                 and a["predicted_cached_tokens"] - a["evicted_in_flight_tokens"] == b["cached_tokens"]
                 and b["predicted_cached_tokens"] - b["evicted_in_flight_tokens"] == a["cached_tokens"])
 
