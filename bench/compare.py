@@ -154,9 +154,10 @@ def run_cell(system: System, work: Workload, args, peers_bin: Path | None, log_d
     if bench is None:
         s = summarize(records, args.time_scale)
         errors = [r.error for r in records if r.error is not None or r.status != 200]
+        hops = hop_ttfts(records, args.time_scale)
         times = {**{f"ttft_p{q}_s": modelled(s[f"ttft_p{q}_s"]) for q in (50, 90, 99)},
                  **{f"latency_p{q}_s": modelled(s[f"latency_p{q}_s"]) for q in (50, 99)},
-                 **{f"hop_ttft_p{q}_s": percentile(hop_ttfts(records, args.time_scale), q) for q in (50, 99)}}
+                 **{f"hop_ttft_p{q}_s": percentile(hops, q) for q in (50, 99)}}
         count = len(records)
     else:  # vllm bench serve reports wall milliseconds
         errors = [f"{bench['failed']} failed"] if bench.get("failed") else []

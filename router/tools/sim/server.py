@@ -11,8 +11,8 @@ One difference by design: when a stream falls behind the engine, the tokens gene
 its last write go out as one SSE event (vLLM sends one event per engine step). Clients see the
 same text and the same final usage; only the number of events differs.
 
-One addition: a stream's first event with text carries ``sim_ttft_s``, the replica's own time to
-that token (wall seconds from the request's submission to its engine, so queueing and prefill;
+One addition: a stream's first event with tokens carries ``sim_ttft_s``, the replica's own time to
+those tokens (wall seconds from the request's submission to its engine, so queueing and prefill;
 multiply by the time scale for modelled seconds). OpenAI clients ignore a field they do not know;
 the replay client records it (``Record.replica_ttft_s``) so that a benchmark can scale only the
 replica's part of a time to first token and count the client's and the router's as timed.
