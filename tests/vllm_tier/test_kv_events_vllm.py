@@ -116,7 +116,7 @@ def test_with_events_every_prediction_is_the_engines_under_eviction(engines, tmp
     lines = _read_log(log)
     # a request queued behind another may find part of its prefix evicted to make room for that
     # one's blocks (a slow machine, a small cache): the events say which, and it must be all
-    wrong = [d for d in lines if d["predicted_cached_tokens"] - d["evicted_in_flight_tokens"] != d["cached_tokens"]]
+    wrong = [d for d in lines if _expected_cached(d) != d["cached_tokens"]]
     differ = _unexplained(wrong)  # ... and two requests of one prefix may reach the engine swapped
     evicted = sum(1 for d in lines if d["evicted_in_flight_tokens"])
     events = sample_sum(page, "prefix_router_kv_events_total")
@@ -130,6 +130,12 @@ def test_with_events_every_prediction_is_the_engines_under_eviction(engines, tmp
     assert all(r["kv_events"]["routing_by_events"] and r["kv_events"]["gaps_lost"] == 0 for r in view)
 
 
+def _expected_cached(d: dict) -> int:
+    """The cached tokens a request-log line's prediction stands for: predicted, less what the
+    engine evicted while the request waited (``evicted_in_flight_tokens``)."""
+    return d["predicted_cached_tokens"] - d["evicted_in_flight_tokens"]
+
+
 def _unexplained(differ: list[dict]) -> list[tuple[int, int, int]]:
     """(predicted, evicted in flight, cached) tokens of the request-log lines in ``differ`` that a
     swap does not explain. Two requests of one prefix sent to one replica a moment apart may reach
@@ -141,12 +147,11 @@ def _unexplained(differ: list[dict]) -> list[tuple[int, int, int]]:
         return d["t"] - d["elapsed_s"]
 
     def swapped(a: dict, b: dict) -> bool:
-        if a["predicted_cached_tokens"] - a["evicted_in_flight_tokens"] > a["cached_tokens"]:
+        if _expected_cached(a) > a["cached_tokens"]:
             a, b = b, a  # a: the one the engine gave more than predicted, the prefill's first sender
         return (a["replica"] == b["replica"]
                 and start(a) <= start(b) < a["t"]  # sent first, both in flight at once
-                and a["predicted_cached_tokens"] - a["evicted_in_flight_tokens"] == b["cached_tokens"]
-                and b["predicted_cached_tokens"] - b["evicted_in_flight_tokens"] == a["cached_tokens"])
+                and _expected_cached(a) == b["cached_tokens"] and _expected_cached(b) == a["cached_tokens"])
 
     left = list(differ)
     i = 0
