@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from router.tools.launch import build_tiny_model
+from router.tools.launch import build_tiny_model, free_port
 
 
 def test_a_tiny_tokenizer_folder_is_rebuilt_for_another_corpus_and_kept_for_the_same(tmp_path):
@@ -25,3 +25,9 @@ def test_a_tiny_tokenizer_folder_is_rebuilt_for_another_corpus_and_kept_for_the_
     assert (out / "prefix-router-version").stat().st_mtime_ns == stamp  # the same corpus: no rebuild
     build_tiny_model(out, corpus=tmp_path / "absent", tokenizer_only=True)  # absent: generated text
     assert (out / "tokenizer.json").read_text() == generated
+
+
+def test_free_ports_handed_out_by_one_process_are_all_different():
+    # servers started together bind late: the OS alone may hand one free port out twice
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)

@@ -35,11 +35,21 @@ TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
 KV_BYTES_PER_TOKEN_TINY = 512
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 right now (the OS picks it), never one this process was
+    given before: servers started together bind their ports only once launched, and until then
+    the OS may hand the same free port out twice (a full ``bench.compare`` run once gave two of
+    its 8 replicas one port)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclass
