@@ -815,3 +815,77 @@ def test_new_work_for_completions(case, shared, held, balances):
     d = select(policy, prompt, views)
     assert (d.route is Route.BALANCE) is balances
     assert (d.replica == NAMES[1]) is not balances
+
+
+# (case, replicas sharing the prefix in ring order of the request's key (True: holds it), share
+# of recent requests through the prefix, the chosen replica by ring position). Four replicas; the
+# 6-block prefix is shared (followed by 4 different blocks: BranchStats), the prompt is 8 blocks.
+# Loads 1, 1, 1, 0 in ring order (total 3: mean (3 + 1) / 4 = 1, bound ceil(max(1.25, 2)) = 2),
+# so every replica fits and the least loaded is the last. A prefix is hot, to be replicated, when
+# its holders cannot serve its demand at their fair share: share x 4 > holders.
+REPLICATE_CASES = [
+    ("a prefix every request wants and three of four replicas hold counts for nothing: the idle "
+     "replica without it takes the request", [True, True, True, False], 1.0, 3),
+    ("a prefix half the requests want is replicated from its one holder: 0.5 x 4 = 2 > 1",
+     [True, False, False, False], 0.5, 3),
+    ("a prefix a quarter of the requests want stays with its one holder: 0.25 x 4 = 1, not over 1",
+     [True, False, False, False], 0.25, 0),
+    ("a prefix half the requests want and two replicas hold stays with them: 0.5 x 4 = 2, not over 2",
+     [True, True, False, False], 0.5, 0),
+]
+
+
+@pytest.mark.parametrize("case, holds, share, expected", REPLICATE_CASES, ids=[c[0] for c in REPLICATE_CASES])
+def test_a_shared_prefix_whose_demand_wants_another_holder(case, holds, share, expected):
+    policy, ring, branches, views = setup(RoutingConfig(match_threshold=0.0))
+    prefix = fresh(6)
+    for _ in range(4):
+        branches.record(prefix + fresh(2), 8)
+    prompt = prefix + fresh(2)
+    wanted(policy, prompt, times=round(share * 8))
+    wanted(policy, fresh(8), times=round((1 - share) * 8))
+    order = ring.candidates(select(policy, prompt, views).key)
+    for name, held, load in zip(order, holds, [1, 1, 1, 0]):
+        views[name].load = load
+        if held:
+            views[name].shadow.insert(prefix)
+    d = select(policy, prompt, views)
+    assert d.replica == order[expected], (case, d)
+    assert d.best_blocks == 6 and d.predicted_blocks == (6 if holds[expected] else 0)
+
+
+def _replicate_setup(sole_router=True):
+    """Four replicas, three holding a 6-block prefix that every recent request wanted and that 4
+    different blocks followed (shared); loads 1, 1, 1, 0 in ring order of the prompt's key."""
+    policy, ring, branches, views = setup(RoutingConfig(match_threshold=0.0, sole_router=sole_router))
+    prefix = fresh(6)
+    for _ in range(4):
+        branches.record(prefix + fresh(2), 8)
+    wanted(policy, prefix, times=8)
+    return policy, ring, views, prefix
+
+
+def test_a_conversations_history_past_the_shared_prefix_draws_its_later_turns_whatever_its_share():
+    policy, ring, views, prefix = _replicate_setup()
+    prompt = prefix + fresh(6)  # the history of one conversation, then its new turn
+    wanted(policy, prompt[:10], times=8)  # half the recent requests were its turns: 0.5 x 4 > 1
+    order = ring.candidates(select(policy, prompt, views, session_key="c").key)
+    for name, load in zip(order, [1, 1, 1, 0]):
+        views[name].load = load
+    views[order[0]].shadow.insert(prefix)
+    views[order[1]].shadow.insert(prefix)
+    views[order[2]].shadow.insert(prompt[:10])  # the history: 4 blocks past the shared prefix
+    d = select(policy, prompt, views, session_key="c")
+    assert d.replica == order[2] and d.predicted_blocks == 10, d
+
+
+def test_one_of_several_instances_without_events_leaves_a_prefix_to_replicate_to_the_ring():
+    # several instances read pictures of their own: a holder outranks the idle replica, as before
+    policy, ring, views, prefix = _replicate_setup(sole_router=False)
+    prompt = prefix + fresh(2)
+    order = ring.candidates(select(policy, prompt, views).key)
+    for name, load in zip(order, [1, 1, 1, 0]):
+        views[name].load = load
+    for name in order[:3]:
+        views[name].shadow.insert(prefix)
+    assert select(policy, prompt, views).replica == order[0]
