@@ -6,7 +6,7 @@
    (``ShadowIndex.match``, capped at the blocks the engine can hit).
 2. Bound: a replica may take the request when its load after taking it is at most
    ``ceil(max(load_factor x mean, mean + load_slack))``, the mean counting the new request
-   (``load_bound``, ``within_bound``): consistent hashing
+   (``router/bounds.py``: ``load_bound``, ``within_bound``): consistent hashing
    with bounded loads (Mirrokni et al., "Consistent Hashing with Bounded Loads", SODA 2018;
    KubeAI's CHWBL, ``internal/loadbalancer/balance_chwbl.go``, with 1.25). Load is requests in
    flight plus what other gateways put on the engine (``ReplicaState.routing_load``), counted the
@@ -20,7 +20,7 @@
    to looser bounds (``holder_load_factor`` in flight, ``holder_share_factor`` in share, with
    ``holder_slack``): spilling it would recompute a prefix, a document, a conversation's
    history, to relieve a load that one more copy of that prefix cannot cure. While every
-   replica has requests in flight past the slack (``in_flight_regime``) the holder answers to
+   replica has requests in flight past the slack (``bounds.in_flight_regime``) the holder answers to
    the in-flight holder bound alone, and so it does wherever this gateway is one of several
    (``routing.sole_router`` false): each instance's share counts cover its own part of the
    traffic. On a dozen agent sessions behind four instances with KV events (``bench.instances``'
@@ -76,21 +76,14 @@
    within the spread of runs (``bench.compare --quick``, medians of 5 and 3 runs, alternating,
    the same hour; a variant that kept the ring for conversations read 0.835 on the built-in
    chat workload too).
-   A hot shared prefix counts for nothing here (``_replicate_depth``): of the part many prompts
-   share, a prefix drawing more requests than its holders can serve at their fair share (the
-   complement of step 2's cold prefix) while some replica lacks it. Where every instance reads
-   the same picture its holders then tie with the replicas holding none of it, and load decides. Without this a replica that missed the
-   first requests could stay empty for a whole workload: any holder of a shared system prompt
-   outranked it, and at low load the bound's slack never turned the holders away. Measured on 8
-   replicas (``bench.compare``, full mode, this gateway alone, the same hour): one of 8 replicas
-   had no request on 2000 sessions of one system prompt and on vLLM's random dataset through
-   completions, none with the rule on any workload; the busiest replica went 1.15x -> 1.00x,
-   1.25x -> 1.05x there, 1.35x -> 1.24x on the random dataset through chat, 1.20x -> 1.10x on
-   SGLang's shape, 1.44x -> 1.19x on the built-in agent workload, at hit rates within 0.1 point
-   but on Mooncake's traces (conversation 0.153 -> 0.167, synthetic 0.123 -> 0.120) and the
-   agent workload (0.881 -> 0.874; one run each); 3 runs each of the built-in chat workload read 0.847-0.860 with 0-1 replicas idle ->
-   0.859 in all three with none, the agent workload 0.872-0.882 -> 0.874-0.879 (medians 0.879 ->
-   0.875).
+   A hot shared prefix counts for nothing here (``_replicate_depth``: of the part many prompts
+   share, one drawing more requests than its holders can serve at their fair share, while some
+   replica lacks it): where every instance reads the same picture its holders tie with the
+   replicas holding none of it, and load decides. Without it a replica that missed the first
+   requests could stay empty for a whole workload, outranked by every holder of a shared system
+   prompt, the bound's slack never turning the holders away at low load (full mode, 8 replicas:
+   one idle on 2 of 10 workloads -> none; busiest 1.15x -> 1.00x on 2000 sessions of one system
+   prompt, 1.25x -> 1.05x on vLLM's random dataset; the README, "An empty replica").
 
 What this does to each traffic shape:
 
@@ -128,7 +121,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -136,12 +128,13 @@ from functools import partial
 import xxhash
 
 from .blocks import BlockHash
+from .bounds import Bounds, within_bound
 from .config import RoutingConfig
 from .index import BranchStats, PrefixDemand, ShadowIndex
 from .ring import Ring
 
 __all__ = ["Route", "ReplicaView", "Decision", "PrefixAffinityPolicy", "RoundRobinPolicy",
-           "LeastLoadedPolicy", "make_policy", "load_bound", "in_flight_regime", "within_bound", "routing_key"]
+           "LeastLoadedPolicy", "make_policy", "routing_key"]
 
 
 class Route(str, enum.Enum):
@@ -200,86 +193,6 @@ def routing_key(branches: BranchStats, max_key_blocks: int, hashes: Sequence[Blo
     return depth, f"p:{full_hash:016x}"
 
 
-def load_bound(total: int, replicas: int, load_factor: float, slack: int = 0) -> int:
-    """The most requests one replica may have once it takes the new one:
-    ``ceil(max(load_factor x mean, mean + slack))`` with ``mean = (total + 1) / replicas``, the
-    ``+ 1`` being the new request.
-
-    ``total``: the replicas' loads summed, before the new request. ``slack``: requests over the
-    mean any replica may carry, which matters only at low load, where the relative bound alone
-    would turn away a second request from a replica holding the prompt while the fleet is idle
-    (vLLM runs both in one batch; no queue forms). With ``load_factor`` >= 1 the least loaded
-    replica always fits: its load is at most ``floor(total / replicas)``, and
-    ``ceil((total + 1) / replicas)`` is one more than that. Raises ValueError for no replicas.
-    """
-    if replicas < 1:
-        raise ValueError("no replicas")
-    mean = (total + 1) / replicas
-    # the epsilon keeps float rounding from pushing an exact integer (1.25 x 8 / 2) past itself
-    return math.ceil(max(load_factor * mean, mean + slack) - 1e-9)
-
-
-def in_flight_regime(total: int, replicas: int, load_factor: float, slack: int) -> bool:
-    """Whether the relative part of ``load_bound`` binds: ``(load_factor - 1) x mean >= slack``,
-    the mean counting the new request (4 requests a replica with the defaults, 1.25 and 1).
-
-    Below it the in-flight bound is all slack and says little of the load, so the share of the
-    requests sent lately stands in for it (traffic arriving one request at a time). Above it the
-    in-flight counts carry the load themselves, the holder's share bound is dropped, and only
-    the holder bound limits a replica keeping a cold prefix: with several gateway instances each
-    one's share counts are a sample of a quarter of the traffic, and on SGLang's
-    generated-shared-prefix shape (four instances, KV events, ``bench.instances``) they spilled
-    3-5 documents a run to replicas that recomputed them, 1.3 points below one instance (token
-    hit rate, medians of 8 runs: 0.867 against 0.880); without the bound here 0.872 against
-    0.878 (8 runs each, the same hour)."""
-    return (load_factor - 1) * (total + 1) / replicas >= slack
-
-
-def within_bound(load: float, bound: int) -> bool:
-    """Whether a replica with ``load`` requests may take one more (``load_bound``)."""
-    return load + 1 <= bound
-
-
-@dataclass(frozen=True, slots=True)
-class _Bounds:
-    """The bounds of step 2 for one request, in requests: ``load`` and ``share`` for any replica,
-    ``holder_load`` and ``holder_share`` for a holder of a cold prefix (``math.inf``: no share
-    bound for the holder)."""
-
-    load: int
-    share: int
-    holder_load: int
-    holder_share: float
-
-    @classmethod
-    def of(cls, cfg: RoutingConfig, replicas: Mapping[str, ReplicaView]) -> "_Bounds":
-        n = len(replicas)
-        total_load = sum(v.load for v in replicas.values())
-        total_share = sum(v.recent for v in replicas.values())
-        # past the slack the in-flight bound sees the load: no share bound for the holder. Nor
-        # with several instances: each counts shares over its own part of the traffic, a sample
-        # too small to tell a holder's fair share (measured: the module's docstring, step 2)
-        in_flight = in_flight_regime(total_load, n, cfg.load_factor, cfg.load_slack)
-        holder_share = (math.inf if in_flight or not cfg.sole_router
-                        else load_bound(total_share, n, cfg.holder_share_factor, cfg.holder_slack))
-        return cls(load_bound(total_load, n, cfg.load_factor, cfg.load_slack),
-                   load_bound(total_share, n, cfg.load_factor, cfg.load_slack),
-                   load_bound(total_load, n, cfg.holder_load_factor, cfg.holder_slack), holder_share)
-
-    def fits(self, view: ReplicaView, is_owner: bool, holder: bool = False) -> bool:
-        """Whether ``view`` may take the request (``holder``: under the holder's looser bounds).
-
-        A replica other than the key's owner must also be within the share bound: the in-flight
-        bound never acts on requests sent one at a time, which would otherwise all follow a
-        shared system prompt to the one replica that computed it first. The owner is exempt: the
-        ring already spreads keys, a lone conversation stays with its history, and a request no
-        instance knows anything of goes where every instance would send it (walking past owners
-        over their share gained about a point of reuse in one run and doubled the gap between
-        two instances: tests/test_discovery.py)."""
-        load, share = (self.holder_load, self.holder_share) if holder else (self.load, self.share)
-        return within_bound(view.load, load) and (is_owner or within_bound(view.recent, share))
-
-
 class PrefixAffinityPolicy:
     """The longest cached prefix among replicas within a load bound; ties by load where every
     instance reads the same picture, else by the ring (the module docstring)."""
@@ -309,7 +222,7 @@ class PrefixAffinityPolicy:
         depth, key = routing_key(self.branches, self.config.max_key_blocks, hashes, full_hash, session_key)
         order = [n for n in self.ring.candidates(key) if n in replicas] or sorted(replicas)
         matches = {n: min(v.shadow.match(hashes), cap) for n, v in replicas.items()}
-        bounds = _Bounds.of(self.config, replicas)
+        bounds = Bounds.of(self.config, replicas)
         owner = order[0]
         rank = self._ranker(order, matches, replicas, hashes, depth)
         preferred = min(order, key=rank)

@@ -104,7 +104,7 @@ class ReplicaState:
 
     @property
     def routing_load(self) -> int:
-        """What the load bound compares (``policy.load_bound``): this gateway's requests in flight,
+        """What the load bound compares (``bounds.load_bound``): this gateway's requests in flight,
         counted the moment each is sent, plus the other requests the engine reported at the last
         scrape. Running requests count as well as queued ones: a replica decoding many streams
         prefills a new prompt more slowly (vLLM batches both into every step)."""

@@ -10,8 +10,8 @@ import pytest
 from router.blocks import BlockHash
 from router.config import RoutingConfig
 from router.index import BranchStats, ShadowIndex
-from router.policy import (LeastLoadedPolicy, PrefixAffinityPolicy, ReplicaView, RoundRobinPolicy, Route,
-                           in_flight_regime, load_bound, make_policy, within_bound)
+from router.bounds import in_flight_regime, load_bound, within_bound
+from router.policy import LeastLoadedPolicy, PrefixAffinityPolicy, ReplicaView, RoundRobinPolicy, Route, make_policy
 from router.ring import Ring
 
 NAMES = [f"replica-{i}:8000" for i in range(4)]

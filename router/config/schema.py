@@ -81,7 +81,7 @@ class RoutingConfig:
     # each): SGLang's shared-prefix shape 0.838 -> 0.882 (the pooled bound) at 1.25x busiest,
     # vLLM's prefix_repetition chat 0.753 -> 0.798, a dozen agent sessions 0.833 -> 0.865, 400
     # sessions of one system prompt 0.924 -> 0.929. The share factor acts only while the
-    # in-flight bound is all slack (policy.in_flight_regime). Raising it trades balance for
+    # in-flight bound is all slack (bounds.in_flight_regime). Raising it trades balance for
     # reuse on few sessions: 2.5 took the built-in agent workload and a dozen agent sessions
     # from 0.856 / 0.862 to 0.864 / 0.871, the busiest replica from 1.49x / 1.85x to 1.78x / 1.89x
     # (medians of 3 runs, 4 replicas, bench.compare --quick --shapes dozen)
