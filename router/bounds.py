@@ -76,6 +76,8 @@ class Bounds:
 
     @classmethod
     def of(cls, cfg: RoutingConfig, replicas: Mapping[str, ReplicaView]) -> "Bounds":
+        """The bounds for a request to ``replicas`` (the routable ones, at least one), from their
+        loads and recent shares summed and ``cfg``'s factors and slacks."""
         n = len(replicas)
         total_load = sum(v.load for v in replicas.values())
         total_share = sum(v.recent for v in replicas.values())
