@@ -281,18 +281,18 @@ class PrefixAffinityPolicy:
         there is none. One system prompt behind every request, held by 7 of 8 replicas: 1 x 8 > 7.
         A conversation's history lies past the shared part and never counts here, however few
         conversations share the fleet."""
-        n = len(matches)
         for d in sorted({m for m in matches.values() if 0 < m < depth}, reverse=True):
-            holders = sum(1 for m in matches.values() if m >= d)
-            if holders < n and self._is_hot(hashes[d - 1], holders, n):
+            if min(matches.values()) < d and self._is_hot(hashes, d, matches):
                 return d
         return 0
 
-    def _is_hot(self, block: BlockHash, holders: int, replicas: int) -> bool:
-        """Whether the prefix through ``block`` draws more requests than its ``holders`` can serve
-        at their fair share: its share of recent requests times ``replicas`` is over
-        ``holders`` (``PrefixDemand``). Such a prefix is to be replicated, not kept."""
-        return self.demand.share(block) * replicas > holders
+    def _is_hot(self, hashes: Sequence[BlockHash], depth: int, matches: Mapping[str, int]) -> bool:
+        """Whether the prompt's first ``depth`` blocks draw more requests than the replicas
+        holding them (``matches`` at least ``depth``) can serve at their fair share: the share of
+        recent requests through that prefix times the replicas is over its holders
+        (``PrefixDemand``). Such a prefix is to be replicated, not kept."""
+        holders = sum(1 for m in matches.values() if m >= depth)
+        return self.demand.share(hashes[depth - 1]) * len(matches) > holders
 
     def _is_new_work(self, first_turn: bool | None, best: int, depth: int, cap: int) -> bool:
         """Step 3: whether the request is mostly new everywhere and opens a conversation.
@@ -314,10 +314,7 @@ class PrefixAffinityPolicy:
         request recomputes the prefix and relieves nothing replication would cure; a hot prefix
         (one system prompt behind every conversation) must be replicated, and is not cold."""
         depth = matches[name]
-        if depth <= 0:
-            return False
-        holders = sum(1 for m in matches.values() if m >= depth)
-        return not self._is_hot(hashes[depth - 1], holders, len(matches))
+        return depth > 0 and not self._is_hot(hashes, depth, matches)
 
 
 class _Baseline:
