@@ -84,10 +84,15 @@ class RoutingConfig:
     # in-flight bound is all slack (bounds.in_flight_regime). Raising it trades balance for
     # reuse on few sessions: 2.5 took the built-in agent workload and a dozen agent sessions
     # from 0.856 / 0.862 to 0.864 / 0.871, the busiest replica from 1.49x / 1.85x to 1.78x / 1.89x
-    # (medians of 3 runs, 4 replicas, bench.compare --quick --shapes dozen)
+    # (medians of 3 runs, 4 replicas, bench.compare --quick --shapes dozen). The slack is 4, not
+    # 2: on a nearly idle fleet (8 replicas, a request or so in flight on each) a slack of 2 let a
+    # holder run 3 requests, and the fourth question about a document recomputed it elsewhere,
+    # though vLLM runs all four in one batch: 7-8 documents a run on vLLM's prefix_repetition,
+    # chat 0.836 -> 0.846 and completions 0.842 -> 0.853 with 4 (the best peers' figures), the
+    # busiest replica 1.11x / 1.23x -> 1.25x / 1.25x (bench.compare full mode, one run each)
     holder_load_factor: float = 2.0
     holder_share_factor: float = 1.5
-    holder_slack: int = 2
+    holder_slack: int = 4
     # a prompt whose longest cached prefix anywhere is under this share of it is mostly new
     # work: it goes to the replica within the bounds with the least prompt queued for prefill
     # (then load, then fewest blocks: router/policy.py, step 3), not to the one holding that
