@@ -322,7 +322,7 @@ def test_a_replica_holding_a_hot_history_but_over_the_bound_is_skipped():
     ("over the bound at load, within the holder bound", 4, 2, True),
     # mean 7 / 4: holder ceil(max(3.5, 5.75)) = 6, and 6 + 1 > 6
     ("past the holder bound", 6, 0, False),
-    # mean 19 / 4: holder ceil(max(9.5, 8.75)) = 10, and 10 + 1 > 10: at load the factor binds
+    # mean 17 / 4: holder ceil(max(8.5, 8.25)) = 9, and 10 + 1 > 9: at load the factor binds
     ("past the holder bound at load", 10, 2, False),
 ])
 def test_a_replica_holding_a_cold_history_keeps_it_past_the_bound_up_to_the_holder_bound(case, load, others, keeps):
