@@ -128,7 +128,7 @@ from functools import partial
 import xxhash
 
 from .blocks import BlockHash
-from .bounds import Bounds, within_bound
+from .bounds import SHARE_TOLERANCE, Bounds, within_bound
 from .config import RoutingConfig
 from .index import BranchStats, PrefixDemand, ShadowIndex
 from .ring import Ring
@@ -290,9 +290,11 @@ class PrefixAffinityPolicy:
         """Whether the prompt's first ``depth`` blocks draw more requests than the replicas
         holding them (``matches`` at least ``depth``) can serve at their fair share: the share of
         recent requests through that prefix times the replicas is over its holders
-        (``PrefixDemand``). Such a prefix is to be replicated, not kept."""
+        (``PrefixDemand``). Such a prefix is to be replicated, not kept. "Over" means by more than
+        ``SHARE_TOLERANCE``: an exact tie (a quarter of the requests, four replicas, one holder)
+        must read the same however far apart in time the requests came."""
         holders = sum(1 for m in matches.values() if m >= depth)
-        return self.demand.share(hashes[depth - 1]) * len(matches) > holders
+        return self.demand.share(hashes[depth - 1]) * len(matches) > holders + SHARE_TOLERANCE
 
     def _is_new_work(self, first_turn: bool | None, best: int, depth: int, cap: int) -> bool:
         """Step 3: whether the request is mostly new everywhere and opens a conversation.

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from .bounds import SHARE_DIGITS
 from .breaker import CircuitBreaker
 from .config import BreakerConfig, HealthConfig, ReplicaConfig
 from .index import ShadowIndex
@@ -112,8 +113,9 @@ class ReplicaState:
 
     def recent_share(self, now: float, half_life_s: float) -> float:
         """Requests sent to this replica lately: each counts 1 when sent and half as much every
-        ``half_life_s`` seconds after (``now``: monotonic seconds)."""
-        return self.recent * 0.5 ** ((now - self.recent_at) / half_life_s)
+        ``half_life_s`` seconds after (``now``: monotonic seconds). Rounded to ``SHARE_DIGITS``
+        places, so that replicas sent equally many requests tie (``router/bounds.py``)."""
+        return round(self.recent * 0.5 ** ((now - self.recent_at) / half_life_s), SHARE_DIGITS)
 
     def note_sent(self, now: float, half_life_s: float) -> None:
         """Count one request sent now in ``recent``."""

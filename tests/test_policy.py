@@ -863,6 +863,29 @@ def test_a_shared_prefix_whose_demand_wants_another_holder(case, holds, share, e
     assert d.best_blocks == 6 and d.predicted_blocks == (6 if holds[expected] else 0)
 
 
+@pytest.mark.parametrize("case, holds, share, expected", REPLICATE_CASES[2:], ids=[c[0] for c in REPLICATE_CASES[2:]])
+def test_an_exact_tie_of_demand_and_holders_reads_the_same_however_the_requests_were_spaced(case, holds, share, expected):
+    """The ties of ``REPLICATE_CASES`` with shares that never decay (as several instances are
+    tested, tests/test_discovery.py), the other requests first and the prefix's over the next
+    seconds: later requests weigh a hair more (2 ** (dt / 1e9)), which must not make the prefix
+    hot where the same requests at one moment left it cold."""
+    policy, ring, branches, views = setup(RoutingConfig(match_threshold=0.0, share_half_life_s=1e9))
+    prefix = fresh(6)
+    for _ in range(4):
+        branches.record(prefix + fresh(2), 8)
+    prompt = prefix + fresh(2)
+    others = round((1 - share) * 8)
+    for t in range(8):
+        policy.demand.record(fresh(8) if t < others else prompt, 8, now=float(t))
+    assert policy.demand.share(prompt[5]) * len(views) > sum(holds)  # the noise the tie must survive
+    order = ring.candidates(select(policy, prompt, views).key)
+    for name, held, load in zip(order, holds, [1, 1, 1, 0]):
+        views[name].load = load
+        if held:
+            views[name].shadow.insert(prefix)
+    assert select(policy, prompt, views).replica == order[expected], case
+
+
 def _replicate_setup(sole_router=True):
     """Four replicas, three holding a 6-block prefix that every recent request wanted and that 4
     different blocks followed (shared); loads 1, 1, 1, 0 in ring order of the prompt's key."""

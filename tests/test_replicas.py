@@ -100,3 +100,18 @@ def test_recent_requests_count_one_each_and_halve_every_half_life():
     assert replica.recent_share(160.0, 60.0) == 1.0
     replica.note_sent(220.0, 60.0)  # 2 halved twice, plus this one
     assert replica.recent_share(220.0, 60.0) == 1.5
+
+
+def test_replicas_sent_as_many_requests_at_different_moments_tie_where_shares_never_decay():
+    """A half-life of 1e9 s (tests of several instances) still weighs requests seconds apart a
+    hair apart; the policy breaks ties of recent share by ring position, so equal counts must
+    compare equal (``router/bounds.py``, ``SHARE_DIGITS``)."""
+    from router.config import ReplicaConfig
+    from router.replicas import ReplicaState
+
+    early, late = (ReplicaState(ReplicaConfig(url=f"http://{n}:8000"), f"{n}:8000") for n in "ab")
+    for t in (0.0, 1.0, 2.0):
+        early.note_sent(t, 1e9)
+        late.note_sent(t + 0.37, 1e9)
+    assert 3.0 * 0.5 ** (2.37 / 1e9) != 3.0  # the noise the tie must survive
+    assert early.recent_share(5.0, 1e9) == late.recent_share(5.0, 1e9) == 3.0
