@@ -328,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{fmt(row['ttft_p50_s'], '.2f')}/{fmt(row['ttft_p99_s'], '.2f')} s (routers' time unscaled "
                   f"{fmt(row['hop_ttft_p50_s'], '.2f')}/{fmt(row['hop_ttft_p99_s'], '.2f')}), errors {row['errors']}, "
                   f"{row['wall_s']:.0f} s", file=sys.stderr, flush=True)
+        if len(results["workloads"]) < len(matrix):  # a run stopped later keeps the workloads done
+            results["wall_s"] = round(time.perf_counter() - started, 1)
+            write(results, args, plots=False, of=len(matrix))
     if not args.no_overhead:
         results["overhead"] = overhead_sweep(args.system_list, [float(r) for r in args.rates.split(",")],
                                              args.seconds, peers_bin, log_dir)
@@ -336,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def write(results: dict, args) -> None:
+def write(results: dict, args, plots: bool = True, of: int | None = None) -> None:
+    """``results.md`` and ``results.json`` under ``args.out``, and the plots when ``plots`` and
+    not ``--no-plots``. ``of``: the workloads the run will have when it ends, for a partial
+    write after each workload (the header says how many are in)."""
     from .overhead import overhead_table
 
     head = (f"{results['mode']} mode: {results['replicas']} simulated replicas x {results['num_blocks']} blocks of "
@@ -345,7 +351,8 @@ def write(results: dict, args) -> None:
             f"peers {', '.join(f'{k} {v}' for k, v in results['peers'].items())}; {results['wall_s']:.0f} s; "
             f"{results['runs']} run(s) of each cell" + (", medians and (min-max)" if results["runs"] > 1 else "") + "; "
             + (f"router pinned to CPU {results['pinned']['router']}, replicas and client to CPUs "
-               f"{results['pinned']['replicas_and_client']} (taskset)" if results.get("pinned") else "not pinned"))
+               f"{results['pinned']['replicas_and_client']} (taskset)" if results.get("pinned") else "not pinned")
+            + (f"; partial: {len(results['workloads'])} of {of} workloads so far" if of else ""))
     bounds = "\n".join(f"- {w['name']}: {w['requests']} requests on {w['replicas']} replicas; pooled bound "
                         f"{w['pooled_bound']:.3f}, unbounded cache {w['unbounded']:.3f}"
                         + (f", sessions spread evenly {w['spread']:.3f}" if w.get("spread") is not None else "")
@@ -366,7 +373,8 @@ def write(results: dict, args) -> None:
     text = f"{head}\n\n{bounds}\n\n{table(results)}\n"
     if "overhead" in results:
         text += "\n" + overhead_table(results["overhead"]) + "\n"
-    print(text)
+    if of is None:
+        print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(text + f"\nCommand: `{results['command']}`\n")
     slim = json.loads(json.dumps(results))
@@ -374,7 +382,7 @@ def write(results: dict, args) -> None:
         for r in w["rows"]:
             r.pop("records")  # per-request records go to the plots, not the committed JSON
     (args.out / "results.json").write_text(json.dumps(slim, indent=1) + "\n")
-    if not args.no_plots:
+    if plots and not args.no_plots:
         from .plots import plot_all
 
         for path in plot_all(results, args.out):

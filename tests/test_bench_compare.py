@@ -161,3 +161,23 @@ def test_a_small_run_of_every_system_adds_up(tmp_path):
     assert set(overhead["sustained"]) == {s.name for s in systems}
     for name in PLOTS:
         assert (out / name).read_bytes()[:4] == b"\x89PNG", name
+
+
+def test_a_run_stopped_midway_keeps_the_workloads_it_finished(tmp_path, monkeypatch):
+    real = compare.run_cell
+
+    def stop_at_the_agent_workload(system, work, *rest):
+        if work.name == "builtin-agent":
+            raise KeyboardInterrupt  # an operator's Ctrl-C two hours into a full run
+        return real(system, work, *rest)
+
+    monkeypatch.setattr(compare, "run_cell", stop_at_the_agent_workload)
+    out = tmp_path / "out"
+    argv = ["--quick", "--traces", "--shapes", "none", "--replicas", "2", "--sessions", "3", "--no-overhead",
+            "--systems", "prefix-router", "--out", str(out), "--log-dir", str(tmp_path / "logs")]
+    with pytest.raises(KeyboardInterrupt):
+        compare.main(argv)
+    results = json.loads((out / "results.json").read_text())
+    assert [w["name"] for w in results["workloads"]] == ["builtin-chat"]
+    assert results["workloads"][0]["rows"][0]["requests"] == results["workloads"][0]["requests"]
+    assert "partial: 1 of 2 workloads so far" in (out / "results.md").read_text()
