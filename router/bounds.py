@@ -25,8 +25,8 @@ __all__ = ["SHARE_DIGITS", "SHARE_TOLERANCE", "Bounds", "load_bound", "in_flight
 # Decayed shares carry noise in their last bits: requests milliseconds apart weigh 2 **
 # (dt / half_life_s) apart, which even a half-life of 1e9 s leaves above 1e-12, so two instances
 # that saw the same requests split exact ties (equal recent shares, a prefix's share x replicas
-# equal to its holders) differently: tests/test_discovery.py's two instances disagreed in 4 runs
-# of 10. Shares are compared to a millionth of a request, which is no load to act on.
+# equal to its holders) differently: tests/test_discovery.py's two instances disagreed in 6 runs
+# of 15. Shares are compared to a millionth of a request, which is no load to act on.
 SHARE_DIGITS = 6
 SHARE_TOLERANCE = 10.0 ** -SHARE_DIGITS
 
