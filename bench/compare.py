@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{fmt(row['ttft_p50_s'], '.2f')}/{fmt(row['ttft_p99_s'], '.2f')} s (routers' time unscaled "
                   f"{fmt(row['hop_ttft_p50_s'], '.2f')}/{fmt(row['hop_ttft_p99_s'], '.2f')}), errors {row['errors']}, "
                   f"{row['wall_s']:.0f} s", file=sys.stderr, flush=True)
-        if len(results["workloads"]) < len(matrix):  # a run stopped later keeps the workloads done
+        if len(results["workloads"]) < len(matrix) or not args.no_overhead:  # a run stopped later keeps these
             results["wall_s"] = round(time.perf_counter() - started, 1)
             write(results, args, plots=False, of=len(matrix))
     if not args.no_overhead:
