@@ -1,0 +1,56 @@
+"""``bench.overhead_profile`` reads py-spy's raw stacks: inclusive shares per part, self frames."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.overhead_profile import active, parse_raw, shares, top_frames
+
+# py-spy 0.4 ``record -f raw``: one stack a line, outermost frame first, then its sample count
+RAW = """\
+<module> (router/cli.py:1);handle_generate (router/proxy.py:55);route (router/proxy.py:80);_analysis (router/proxy.py:121);_analyze (router/proxy.py:140);analyze (router/prompts.py:90);HFTokenizer.render_chat_tokens (router/tokenizer.py:160);HFTokenizer.tokens (router/tokenizer.py:210);HFTokenizer.encode (router/tokenizer.py:148) 6
+<module> (router/cli.py:1);handle_generate (router/proxy.py:55);route (router/proxy.py:80);_analysis (router/proxy.py:121);_analyze (router/proxy.py:140);analyze (router/prompts.py:90);HFTokenizer._render (router/tokenizer.py:187) 2
+<module> (router/cli.py:1);handle_generate (router/proxy.py:58);forward (router/forward.py:90);relay (router/relay.py:200);StreamWriter._writelines (aiohttp/http_writer.py:116) 3
+<module> (router/cli.py:1);handle_generate (router/proxy.py:58);forward (router/forward.py:90);relay (router/relay.py:200);StreamWriter._writelines (aiohttp/http_writer.py:118) 1
+<module> (router/cli.py:1);run_app (aiohttp/web.py:502) 8
+"""
+
+
+def test_each_part_counts_a_sample_once_however_many_of_its_frames_are_on_the_stack():
+    got = shares(parse_raw(RAW))
+    total = 6 + 2 + 3 + 1 + 8
+    # analyze and _analyze are both on the first two stacks: counted once each
+    assert got["chat analysis (template, tokenization, hashes, fingerprint)"] == pytest.approx(8 / total)
+    assert got["  tokenization (encode)"] == pytest.approx(6 / total)
+    assert got["  chat template render"] == pytest.approx(2 / total)
+    assert got["forward and relay (aiohttp client and server writes)"] == pytest.approx(4 / total)
+    assert got["socket writes (kernel time included)"] == pytest.approx(4 / total)
+    assert got["the policy's choice"] == 0
+
+
+def test_self_frames_add_up_over_a_functions_lines():
+    frames = dict(top_frames(parse_raw(RAW)))
+    assert frames["StreamWriter._writelines (aiohttp/http_writer.py)"] == pytest.approx(4 / 20)
+    assert next(iter(frames)) == "run_app (aiohttp/web.py)"  # the most samples first
+
+
+def test_a_line_without_a_count_is_refused():
+    with pytest.raises(ValueError, match="raw"):
+        parse_raw("handle_generate (router/proxy.py:55)\n")
+
+
+def test_a_sample_without_python_frames_counts_in_the_total_and_no_part():
+    stacks = parse_raw(RAW + " 20\n")
+    assert stacks[-1] == ([], 20)
+    assert shares(stacks)["  tokenization (encode)"] == pytest.approx(6 / 40)
+    assert dict(top_frames(stacks))["(no Python frame)"] == pytest.approx(0.5)
+
+
+def test_waiting_threads_are_dropped_and_work_in_a_system_call_is_kept():
+    raw = (RAW + "<module> (router/cli.py:1);run_app (aiohttp/web.py:502);epoll_pwait (libc.so.6) 30\n"
+           "_bootstrap (threading.py:1002);_worker (concurrent/futures/thread.py:81);"
+           "pthread_cond_wait@@GLIBC_2.3.2 (libc.so.6);0x7f0aad0a3f16 (libc.so.6) 7\n"
+           "<module> (router/cli.py:1);relay (router/relay.py:200);write (libc.so.6) 5\n")
+    kept = active(parse_raw(raw))
+    assert sum(n for _, n in kept) == 20 + 5
+    assert shares(kept)["forward and relay (aiohttp client and server writes)"] == pytest.approx(9 / 25)
