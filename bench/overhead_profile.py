@@ -39,7 +39,7 @@ from .fleet import ROOT, tiny_tokenizer, write_report
 from .gateway_overhead import chat_mix, fixed_rate
 from .peers import System, cpu_seconds
 
-__all__ = ["IDLE", "PARTS", "active", "parse_raw", "shares", "top_frames"]
+__all__ = ["IDLE", "PARTS", "REST", "active", "parse_raw", "shares", "top_frames"]
 
 # native frames of a thread that waits: epoll (asyncio's selector, uvloop), a lock or condition
 # (a thread pool's idle worker in PyThread_acquire_lock_timed, a thread waiting for the GIL in
@@ -62,6 +62,9 @@ PARTS: tuple[tuple[str, str], ...] = (
     ("learning from the answer (miss kind, cause, metrics)", r"^(learn|_account) \("),
     ("socket writes (kernel time included)", r"^StreamWriter\._write(lines)? \("),
 )
+# the samples in none of the top-level parts (those not indented): the event loop, aiohttp's
+# server, handing work to a thread pool and back
+REST = "everything else (event loop, aiohttp's server, thread hand-offs)"
 _FRAME_RE = {part: re.compile(pattern) for part, pattern in PARTS}
 
 
@@ -88,12 +91,14 @@ def active(stacks: list[tuple[list[str], int]]) -> list[tuple[list[str], int]]:
 
 
 def shares(stacks: list[tuple[list[str], int]]) -> dict[str, float]:
-    """Each part of ``PARTS``: its share (0-1) of all samples, inclusive (a sample counts once
-    for a part with any frame on the stack matching it)."""
+    """Each part of ``PARTS``, and ``REST``: its share (0-1) of all samples, inclusive (a sample
+    counts once for a part with any frame on the stack matching it)."""
     total = sum(n for _, n in stacks) or 1
     out = {}
     for part, pattern in _FRAME_RE.items():
         out[part] = sum(n for frames, n in stacks if any(pattern.search(f) for f in frames)) / total
+    top = [pattern for part, pattern in _FRAME_RE.items() if not part.startswith(" ")]
+    out[REST] = sum(n for frames, n in stacks if not any(p.search(f) for p in top for f in frames)) / total
     return out
 
 
@@ -161,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
              "socket writes' figure is an upper bound (see `bench/overhead_profile.py`).", "",
              "| part: CPU ms a request (share of the samples at work) | " + " | ".join(c[0] for c in columns) + " |", "|---|" + "---|" * len(columns),
              "| the whole request | " + " | ".join(f"{c[1]:.2f}" for c in columns) + " |"]
-    for part, _ in PARTS:
+    for part in [p for p, _ in PARTS] + [REST]:
         lines.append(f"| {part} | " + " | ".join(f"{c[1] * c[2][part]:.2f} ({100 * c[2][part]:.0f}%)"
                                                   for c in columns) + " |")
     for commit, _, _, frames in columns:

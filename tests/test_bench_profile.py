@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.overhead_profile import active, parse_raw, shares, top_frames
+from bench.overhead_profile import REST, active, parse_raw, shares, top_frames
 
 # py-spy 0.4 ``record -f raw``: one stack a line, outermost frame first, then its sample count
 RAW = """\
@@ -26,6 +26,7 @@ def test_each_part_counts_a_sample_once_however_many_of_its_frames_are_on_the_st
     assert got["forward and relay (aiohttp client and server writes)"] == pytest.approx(4 / total)
     assert got["socket writes (kernel time included)"] == pytest.approx(4 / total)
     assert got["the policy's choice"] == 0
+    assert got[REST] == pytest.approx(8 / total)  # run_app's own samples, in no part
 
 
 def test_self_frames_add_up_over_a_functions_lines():
