@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -17,7 +18,7 @@ TRACES = ROOT.parent / "shared" / "agent_traces"  # SWE-agent trajectories, wher
 ROUTES = tuple(r.value for r in Route if r is not Route.RETRY)
 
 __all__ = ["ROOT", "ROUTES", "TRACES", "free_port", "fleet", "gateway", "scrape", "metric_sum", "pinned", "tiny_tokenizer",
-           "write_report"]
+           "commit_of", "write_report"]
 
 
 @contextlib.contextmanager
@@ -55,6 +56,17 @@ def tiny_tokenizer(traces: bool) -> Path:
     folder for each, so that benchmarks run side by side never rebuild each other's."""
     folder = "tiny-tokenizer-traces" if traces else "tiny-tokenizer-generated"
     return build_tiny_model(ROOT / ".cache" / folder, corpus=TRACES if traces else None, tokenizer_only=True)
+
+
+def commit_of(tree: Path) -> str:
+    """The short commit checked out in ``tree`` (a ``git worktree`` or this clone), with ``+``
+    when its tracked files differ from it; the folder's name where git cannot say."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True)
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode != 0:
+        return tree.name
+    return head.stdout.strip() + ("+" if git("diff", "--quiet", "HEAD").returncode else "")
 
 
 def write_report(path: Path, lines: list[str]) -> None:

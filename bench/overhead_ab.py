@@ -26,7 +26,7 @@ from pathlib import Path
 from router.tools.launch import Server, free_port, running, sim_server
 from router.tools.replay.summary import percentile
 
-from .fleet import ROOT, tiny_tokenizer, write_report
+from .fleet import ROOT, commit_of, tiny_tokenizer, write_report
 from .gateway_overhead import chat_mix, fixed_rate
 from .overhead import measured_run
 from .peers import System, ensure_peers
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                     cells.setdefault((rate, name), []).append(row)
                     print(f"{args.tokens} tokens {rate:g}/s {name}: CPU {row[0]:.2f} ms/request, added TTFT "
                           f"p50 {row[1]:.1f} p99 {row[2]:.1f} ms, {len(series) - len(ok)} errors", flush=True)
-    lines = [f"Gateway {', '.join(f'{k} ({v})' for k, v in trees.items())}, next to {FLOOR} and {PEER.name}: "
+    lines = [f"Gateway {', '.join(f'{k} ({commit_of(v)})' for k, v in trees.items())}, next to {FLOOR} and {PEER.name}: "
              f"~{args.tokens}-token streaming chats, one simulated replica, {args.seconds:g} s a cell, medians of "
              f"{args.reps}.", "", f"| rate | system | CPU ms / request | added TTFT p50 / p99 (ms) | CPU vs {base} |",
              "|---|---|---|---|---|"]

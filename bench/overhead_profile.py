@@ -35,7 +35,7 @@ from pathlib import Path
 
 from router.tools.launch import running, sim_server
 
-from .fleet import ROOT, tiny_tokenizer, write_report
+from .fleet import ROOT, commit_of, tiny_tokenizer, write_report
 from .gateway_overhead import chat_mix, fixed_rate
 from .peers import System, cpu_seconds
 
@@ -152,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     columns = []
     for tree in trees:
-        commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or tree.name
+        commit = commit_of(tree)
         raw = log_dir / f"profile-{commit}.txt"
         cpu = profile(tree, args.rate, args.seconds, args.tokens, raw, log_dir)
         stacks = active(parse_raw(raw.read_text()))
