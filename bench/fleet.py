@@ -60,13 +60,14 @@ def tiny_tokenizer(traces: bool) -> Path:
 
 def commit_of(tree: Path) -> str:
     """The short commit checked out in ``tree`` (a ``git worktree`` or this clone), with ``+``
-    when its tracked files differ from it; the folder's name where git cannot say."""
+    when its tracked files other than ``bench/results`` (what a benchmark writes) differ from
+    it; the folder's name where git cannot say."""
     def git(*args):
         return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True)
     head = git("rev-parse", "--short", "HEAD")
     if head.returncode != 0:
         return tree.name
-    return head.stdout.strip() + ("+" if git("diff", "--quiet", "HEAD").returncode else "")
+    return head.stdout.strip() + ("+" if git("diff", "--quiet", "HEAD", "--", ".", ":!bench/results").returncode else "")
 
 
 def write_report(path: Path, lines: list[str]) -> None:
