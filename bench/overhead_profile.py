@@ -11,14 +11,14 @@ then under ``py-spy record --native -r 200 -f raw`` for ``--seconds``.
 
 py-spy here records waiting threads too (an event loop in ``epoll_wait``, a thread pool's idle
 worker in a futex, a thread waiting for the GIL), so samples with a wait among their three
-innermost native frames are dropped (``IDLE``): the rest are the process at work, with
-asyncio's loop and uvloop's alike. Each part's figure is its share of those samples, inclusive (a sample counts for every part with a frame on its stack,
-so nested parts overlap), times the CPU per request: milliseconds of CPU a request, comparable
-between trees whose event loops differ. A sample inside a system call counts for the Python
-frame that made it; py-spy's stops land in system calls more often than their CPU share (at
-80/s of 1k-token chats the kernel's time is under a tenth of the gateway's CPU by
-``/proc/PID/stat``, while ``write`` ends a fifth of the samples), so the socket writes' part is
-an upper bound.
+innermost native frames are dropped (``IDLE``): the rest are the process at work, with asyncio's
+loop and uvloop's alike. Each part's figure is its share of those samples, inclusive (a sample
+counts for every part with a frame on its stack, so nested parts overlap), times the CPU per
+request: milliseconds of CPU a request, comparable between trees whose event loops differ. A
+sample inside a system call counts for the Python frame that made it; py-spy's stops land in
+system calls more often than their CPU share (at 80/s of 1k-token chats the kernel's time is
+under a tenth of the gateway's CPU by ``/proc/PID/stat``, while ``write`` ends a fifth of the
+samples), so the socket writes' part is an upper bound.
 """
 
 from __future__ import annotations
