@@ -11,7 +11,9 @@ the others, so the router's CPU seconds (``/proc``) per completed request and it
 throughput are its own. The systems alternate within
 every repetition, so the machine's noise falls on all of them alike. This gateway runs twice: on
 that conversation mix, and on the same bodies with every first turn first (only new prompts: the
-tokenizer's prefix cache never helps).
+tokenizer's prefix cache never helps); and a third time on the mix without a tokenizer (routing
+on 64-character blocks, as a gateway started without ``--tokenizer`` does): what exact token
+blocks cost.
 
     python -m bench.overhead_wrk [--tokens 1000] [--connections 8] [--seconds 10] [--reps 2] [--workers 2]
 
@@ -44,6 +46,7 @@ from .peers import System, cpu_seconds, ensure_peers
 
 GATEWAY = "prefix-router"
 FIRST_TURNS = "prefix-router, first turns only"
+CHARS = "prefix-router, no tokenizer"
 # wrk's Lua: each request the next body of the file (one JSON object a line), in turn
 _SCRIPT = """
 local bodies = {}
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                   others)
     with running([sim]) as (replica,):
         aliases = [replica, replica.replace("127.0.0.1", "localhost")]
-        names = [GATEWAY, FIRST_TURNS, FLOOR, PEER.name]
+        names = [GATEWAY, FIRST_TURNS, CHARS, FLOOR, PEER.name]
         if args.workers > 1:
             names += [f"{GATEWAY} --workers 1, unpinned", f"{GATEWAY} --workers {args.workers}, unpinned"]
         for _ in range(args.reps):
@@ -148,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                         aliases, log_dir, None, ("--tokenizer", str(tokenizer), "--workers", workers))
                 elif name == FLOOR:
                     server = _floor_server(replica, log_dir)
-                elif name in (GATEWAY, FIRST_TURNS):
+                elif name in (GATEWAY, FIRST_TURNS, CHARS):
                     server = System(name, "prefix-router", "prefix-affinity").server(
-                        aliases, log_dir, None, ("--tokenizer", str(tokenizer)))
+                        aliases, log_dir, None, () if name == CHARS else ("--tokenizer", str(tokenizer)))
                 else:
                     server = PEER.server(aliases, log_dir, peers)
                 server = pinned(server, pin)
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
              f"conversation with a ~{args.tokens}-token system prompt of its own (`staggered`), except in "
              f"`{FIRST_TURNS}`: the same bodies with every first turn first, so a run meets only prompts "
              "it has never seen" + (f" (not so here: its runs outlasted the {count:,} first turns; raise --bodies)."
-                                    if first_ran_out else "."),
+                                    if first_ran_out else ".") + f" `{CHARS}`: the mix, routed on 64-character blocks.",
              "", f"| system | CPU ms / request | requests/s | wrk latency p50 | CPU vs {PEER.name} |", "|---|---|---|---|---|"]
     for name, rows in cells.items():
         cpu = statistics.median(r[0] for r in rows)
