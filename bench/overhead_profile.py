@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
              "rendered). Each part: its share of the samples at work (waits dropped), inclusive (nested parts "
              "overlap), as milliseconds of the CPU a request measured without py-spy (`/proc/PID/stat`); the "
              "socket writes' figure is an upper bound (see `bench/overhead_profile.py`).", "",
-             "| part: CPU ms a request (share of the samples at work) | " + " | ".join(c[0] for c in columns) + " |", "|---|" + "---|" * len(columns),
+             "| part: CPU ms a request (share of the samples at work) | " + " | ".join(c[0] for c in columns) + " |",
+             "|---|" + "---|" * len(columns),
              "| the whole request | " + " | ".join(f"{c[1]:.2f}" for c in columns) + " |"]
     for part in [p for p, _ in PARTS] + [REST]:
         lines.append(f"| {part} | " + " | ".join(f"{c[1] * c[2][part]:.2f} ({100 * c[2][part]:.0f}%)"

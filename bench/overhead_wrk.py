@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         scripts[order] = log_dir / f"bodies-{order}.lua"
         scripts[order].write_text(_SCRIPT % bodies)
     cores = os.cpu_count() or 1
-    router_cpu, others = (str(cores - 1), f"0-{cores - 2}") if cores >= 2 else (None, None)
+    router_cpu, others = (str(cores - 1), "0" if cores == 2 else f"0-{cores - 2}") if cores >= 2 else (None, None)
     peers = ensure_peers()
     cells: dict[str, list[tuple[float, float, str]]] = {}
     cycled = first_ran_out = False
@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{args.tokens} tokens, wrk {args.connections} connections, {name}: CPU {row[0]:.2f} ms/request, "
                       f"{rate:.0f} requests/s, latency p50 {p50}", flush=True)
     base = statistics.median(r[0] for r in cells[PEER.name])
-    where = (f"the router on CPU {router_cpu}, the replica and wrk on CPUs {others} (taskset)" if router_cpu
+    cpus = f"CPUs {others}" if others and "-" in others else f"CPU {others}"
+    where = (f"the router on CPU {router_cpu}, the replica and wrk on {cpus} (taskset)" if router_cpu
              else "nothing pinned (one core)")
     lines = [f"~{args.tokens}-token streaming chats through each system to one simulated replica at 10,000x; wrk, "
              f"one thread, {args.connections} connections, {args.seconds:g} s a cell after 2 s of warm-up, medians of "
