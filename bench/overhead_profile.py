@@ -117,6 +117,9 @@ def profile(tree: Path, rate: float, seconds: float, tokens: int, raw_out: Path,
     its CPU milliseconds per request in the run without py-spy. Raises ``RuntimeError`` when py-spy fails (not installed, no
     ptrace permission)."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(py_spy).exists():
+        raise RuntimeError("py-spy is not installed: pip install -e '.[bench]' (or pip install py-spy)")
+    raw_out.unlink(missing_ok=True)  # a failed run must not read an earlier run's samples
     tokenizer = tiny_tokenizer(traces=True)
     requests = chat_mix(tokens, max(int(rate * (seconds + 2)), 16))
     with running([sim_server(log_dir, ["--model", "sim", "--time-scale", "10000", "--tokenizer", str(tokenizer)])]) \
@@ -154,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     for tree in trees:
         commit = commit_of(tree)
         raw = log_dir / f"profile-{commit}.txt"
-        cpu = profile(tree, args.rate, args.seconds, args.tokens, raw, log_dir)
+        try:
+            cpu = profile(tree, args.rate, args.seconds, args.tokens, raw, log_dir)
+        except RuntimeError as exc:
+            raise SystemExit(f"overhead_profile: {exc}") from None
         stacks = active(parse_raw(raw.read_text()))
         columns.append((commit, cpu, shares(stacks), top_frames(stacks)))
         print(f"{commit}: {cpu:.2f} ms CPU a request", flush=True)
