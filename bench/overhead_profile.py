@@ -3,8 +3,9 @@
 One simulated replica at 10,000x, the gateway of each ``--tree`` (default this one; a
 ``git worktree`` of an older commit for a before-and-after) with the tiny tokenizer, ~N-token
 streaming chats of ``gateway_overhead.chat_mix`` at ``--rate``/s. After 16 warm-up requests the
-load runs twice: unprofiled, for the CPU seconds of the process per request (``/proc/PID/stat``),
-then under ``py-spy record --native -r 200 -f raw`` for ``--seconds``.
+load runs twice, on different requests: unprofiled, for the CPU seconds of the process per
+request (``/proc/PID/stat``), then under ``py-spy record --native -r 200 -f raw`` for
+``--seconds``.
 
     git worktree add --detach ../before 8da9842
     python -m bench.overhead_profile --tree ../before --tree . --rate 80
@@ -113,15 +114,17 @@ def top_frames(stacks: list[tuple[list[str], int]], k: int = 12) -> list[tuple[s
 
 
 def profile(tree: Path, rate: float, seconds: float, tokens: int, raw_out: Path, log_dir: Path) -> float:
-    """Run the gateway of ``tree`` under load, then again while py-spy records it into ``raw_out``;
-    its CPU milliseconds per request in the run without py-spy. Raises ``RuntimeError`` when py-spy fails (not installed, no
-    ptrace permission)."""
+    """Run the gateway of ``tree`` under load, then under as much again, new requests (no body
+    repeated: a repeat would find its prompt in the tokenizer's cache), while py-spy records it
+    into ``raw_out``; its CPU milliseconds per request in the run without py-spy. Raises
+    ``RuntimeError`` when py-spy fails (not installed, no ptrace permission)."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(py_spy).exists():
         raise RuntimeError("py-spy is not installed: pip install -e '.[bench]' (or pip install py-spy)")
     raw_out.unlink(missing_ok=True)  # a failed run must not read an earlier run's samples
     tokenizer = tiny_tokenizer(traces=True)
-    requests = chat_mix(tokens, max(int(rate * (seconds + 2)), 16))
+    count = max(int(rate * (seconds + 2)), 16)
+    requests = chat_mix(tokens, 2 * count)  # the first half unprofiled, the second under py-spy
     with running([sim_server(log_dir, ["--model", "sim", "--time-scale", "10000", "--tokenizer", str(tokenizer)])]) \
             as (replica,):
         server = System("prefix-router", "prefix-router", "prefix-affinity").server(
@@ -130,12 +133,12 @@ def profile(tree: Path, rate: float, seconds: float, tokens: int, raw_out: Path,
         with running([server]) as (url,):
             asyncio.run(fixed_rate(url, requests[:16], rate))
             cpu0 = cpu_seconds(server.pid)
-            series = asyncio.run(fixed_rate(url, requests, rate))
+            series = asyncio.run(fixed_rate(url, requests[:count], rate))
             cpu = cpu_seconds(server.pid) - cpu0
             spy = subprocess.Popen([py_spy, "record", "-p", str(server.pid), "--native", "-r", "200", "-f", "raw",
                                     "-d", str(int(seconds)), "-o", str(raw_out)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            asyncio.run(fixed_rate(url, requests, rate))
+            asyncio.run(fixed_rate(url, requests[count:], rate))
             _, err = spy.communicate(timeout=60)
             if spy.returncode != 0 or not raw_out.exists():
                 raise RuntimeError(f"py-spy failed: {err.strip()[-300:]}")
