@@ -18,7 +18,7 @@ TRACES = ROOT.parent / "shared" / "agent_traces"  # SWE-agent trajectories, wher
 ROUTES = tuple(r.value for r in Route if r is not Route.RETRY)
 
 __all__ = ["ROOT", "ROUTES", "TRACES", "free_port", "fleet", "gateway", "scrape", "metric_sum", "pinned", "tiny_tokenizer",
-           "commit_of", "write_report"]
+           "commit_of", "tree_gateway", "write_report"]
 
 
 @contextlib.contextmanager
@@ -56,6 +56,14 @@ def tiny_tokenizer(traces: bool) -> Path:
     folder for each, so that benchmarks run side by side never rebuild each other's."""
     folder = "tiny-tokenizer-traces" if traces else "tiny-tokenizer-generated"
     return build_tiny_model(ROOT / ".cache" / folder, corpus=TRACES if traces else None, tokenizer_only=True)
+
+
+def tree_gateway(tree: Path, replicas: list[str], log_dir: Path, tokenizer: Path) -> Server:
+    """This gateway as the source tree ``tree`` has it (a ``git worktree`` of another commit, or
+    this clone): started with ``tree`` as its working directory, so ``python -m router.cli``
+    imports that tree's ``router``; policy prefix-affinity, the tokenizer in ``tokenizer``."""
+    server = gateway_server(log_dir, replicas, ["--policy", "prefix-affinity", "--tokenizer", str(tokenizer)])
+    return dataclasses.replace(server, cwd=tree)
 
 
 def commit_of(tree: Path) -> str:

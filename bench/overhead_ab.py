@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 from router.tools.launch import Server, free_port, running, sim_server
 from router.tools.replay.summary import percentile
 
-from .fleet import ROOT, commit_of, tiny_tokenizer, write_report
+from .fleet import ROOT, commit_of, tiny_tokenizer, tree_gateway, write_report
 from .gateway_overhead import chat_mix, fixed_rate
 from .overhead import measured_run
 from .peers import System, ensure_peers
@@ -74,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                     if name == FLOOR:
                         server = _floor_server(replica, log_dir)
                     elif name in trees:
-                        server = System(name, "prefix-router", "prefix-affinity").server(
-                            aliases, log_dir, None, ("--tokenizer", str(tokenizer)))
-                        server = dataclasses.replace(server, cwd=trees[name])
+                        server = tree_gateway(trees[name], aliases, log_dir, tokenizer)
                     else:
                         server = PEER.server(aliases, log_dir, peers)
                     series, cpu = measured_run(server, requests, rate)

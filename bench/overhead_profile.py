@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import dataclasses
 import re
 import shutil
 import subprocess
@@ -36,9 +35,9 @@ from pathlib import Path
 
 from router.tools.launch import running, sim_server
 
-from .fleet import ROOT, commit_of, tiny_tokenizer, write_report
+from .fleet import ROOT, commit_of, tiny_tokenizer, tree_gateway, write_report
 from .gateway_overhead import chat_mix, fixed_rate
-from .peers import System, cpu_seconds
+from .peers import cpu_seconds
 
 __all__ = ["IDLE", "PARTS", "REST", "active", "parse_raw", "shares", "top_frames"]
 
@@ -127,9 +126,7 @@ def profile(tree: Path, rate: float, seconds: float, tokens: int, raw_out: Path,
     requests = chat_mix(tokens, 2 * count)  # the first half unprofiled, the second under py-spy
     with running([sim_server(log_dir, ["--model", "sim", "--time-scale", "10000", "--tokenizer", str(tokenizer)])]) \
             as (replica,):
-        server = System("prefix-router", "prefix-router", "prefix-affinity").server(
-            [replica, replica.replace("127.0.0.1", "localhost")], log_dir, None, ("--tokenizer", str(tokenizer)))
-        server = dataclasses.replace(server, cwd=tree)
+        server = tree_gateway(tree, [replica, replica.replace("127.0.0.1", "localhost")], log_dir, tokenizer)
         with running([server]) as (url,):
             asyncio.run(fixed_rate(url, requests[:16], rate))
             cpu0 = cpu_seconds(server.pid)
