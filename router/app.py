@@ -7,7 +7,8 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/r
 and ``GET /debug/changes?top=N`` (why clients changed their prefixes: ``changes.py``); those two
 need an admin key once any key is configured (``tenants.py``). Every other path goes to the
 replicas (``passthrough.py``: to one, or an operator's to all). Errors are OpenAI-style JSON,
-aiohttp's own 405 and 413 included.
+aiohttp's own 405 and 413 included, and so are the answers aiohttp's HTTP parser gives before any
+handler runs (a malformed request line, header or chunked framing: ``_JsonErrorServer``).
 """
 
 from __future__ import annotations
@@ -17,17 +18,19 @@ import contextlib
 import logging
 import time
 
+from http import HTTPStatus
+
 import aiohttp
-from aiohttp import web
+from aiohttp import web, web_protocol, web_server
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .cacheview import follow_events
 from .config import GatewayConfig
 from .dialects import MESSAGES, RESPONSES
 from .discovery import discover_once, poll_dns
-from .errors import openai_error
+from .errors import error_body, openai_error
 from .gateway import Gateway
-from .inbound import loads
+from .bodies import loads
 from .passthrough import REPLICAS_HEADER, handle_passthrough
 from .proxy import handle_generate
 from .replicas import check_all, poll_health, poll_metrics, scrape_once
@@ -63,6 +66,43 @@ async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
         return openai_error(exc.status, message, headers=headers)
 
 
+class _JsonErrorHandler(web_protocol.RequestHandler):
+    """aiohttp's connection handler, answering its own errors (400 for bad framing, 500, 504)
+    as OpenAI-style JSON instead of text or HTML; the exception's text for a 500 stays in the log."""
+
+    __slots__ = ()
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs it; raises if the answer had begun
+        text = message if message and status < 500 else HTTPStatus(status).phrase
+        response = web.json_response(error_body(status, f"{text[:200]}"), status=status)
+        response.force_close()
+        return response
+
+
+class _JsonErrorServer(web_server.Server):
+    """aiohttp's server making ``_JsonErrorHandler`` connections (the class of the server an
+    application makes is swapped for this one: aiohttp has no setting for it)."""
+
+    def __call__(self) -> web_protocol.RequestHandler:
+        handler = super().__call__()
+        handler.__class__ = _JsonErrorHandler
+        return handler
+
+
+def _json_framing_errors(app: web.Application) -> None:
+    """Make the servers ``app`` is run by (``web.run_app``, test clients) ``_JsonErrorServer``s."""
+    make = app._make_handler
+
+    def make_handler(**kwargs) -> web_server.Server:
+        server = make(**kwargs)
+        server.__class__ = _JsonErrorServer
+        return server
+
+    app._make_handler = make_handler
+
+
 def _forbidden(request: web.Request) -> web.Response:
     """401 without a key, 403 with a key that is not an admin's."""
     if bearer(request) is None:
@@ -76,6 +116,7 @@ def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None, 
     ``/debug/changes``), for the Endpoint Picker, whose HTTP port must be no way around the
     gateway in front of it."""
     app = web.Application(client_max_size=config.limits.max_body_bytes, middlewares=[_openai_errors])
+    _json_framing_errors(app)
     app[GATEWAY] = Gateway(config, tokenizer)
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_draining)
@@ -219,6 +260,6 @@ async def _changes(request: web.Request) -> web.Response:
     if not gw.tenants.is_admin(request):
         return _forbidden(request)
     top = request.query.get("top", "20")
-    if not top.isdigit() or not 1 <= int(top) <= gw.changes.max_sites:
+    if not (top.isascii() and top.isdigit()) or not 1 <= int(top) <= gw.changes.max_sites:
         return openai_error(400, f"'top' must be an integer from 1 to {gw.changes.max_sites}", "top")
     return web.json_response(gw.changes.view(int(top)))

@@ -182,7 +182,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             if config.workers > 1:
                 raise ConfigError("workers: the endpoint picker runs in one process")
             try:
-                from .epp import add_picker
+                from .epp_server import add_picker
             except ImportError as exc:
                 raise ConfigError(f"the endpoint picker needs grpcio and Envoy's protos ({exc.name} is missing): "
                                   "pip install 'prefix-router[epp]'") from None

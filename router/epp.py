@@ -1,5 +1,6 @@
 """The gateway as an Endpoint Picker: Envoy's external processor, choosing the replica of each
 request by the same analysis, policy and accounting as ``serve`` (``prefix-router epp``).
+``Exchange`` is one HTTP request's exchange; ``epp_server.py`` serves it over gRPC.
 
 The Gateway API Inference Extension's Endpoint Picker protocol
 (kubernetes-sigs/gateway-api-inference-extension, ``docs/proposals/004-endpoint-picker-protocol``):
@@ -11,13 +12,18 @@ where each message gets one answer, or ``FULL_DUPLEX_STREAMED`` both ways (Istio
 Gateway API gateways), where the picker holds the request's headers and body until it has
 chosen, then answers the headers and streams the body back, and streams every answer chunk back.
 
-- request headers: for a routed path (``/v1/chat/completions``, ``/v1/completions``,
-  ``/v1/responses``, ``/v1/messages``) with a body, wait for the body; for any other request,
-  the least loaded routable replica at once, the bodies passed on untouched (not sent to the
-  picker at all where the mode allows: ``mode_override``); a subset hint (filter metadata
-  ``envoy.lb.subset_hint``) limits the choice to its endpoints, 503 when it leaves none;
+- request headers: first the keys the path needs (``Tenants.refusal``: a 401 or 403 before any
+  body is read) and the body's declared length (413 past ``limits.max_body_bytes``); for a
+  routed path (``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
+  ``/v1/messages``) or a generating one (``endpoints.GENERATES``: ``/invocations``...) with a
+  body, wait for the body, buffered up to ``max_body_bytes`` (413 past it, nothing more kept);
+  a stored Response goes to its home, 404 to a tenant that did not create it; for any other
+  request, the least loaded routable replica at once, the bodies passed on untouched (not sent
+  to the picker at all where the mode allows: ``mode_override``); a subset hint (filter
+  metadata ``envoy.lb.subset_hint``) limits the choice to its endpoints, 503 when it leaves none;
 - the request body: ``inbound.inbound_of`` (checks, tenant, salt, ``include_usage``) and
-  ``proxy.route`` (analysis, admission, the policy), then the chosen endpoint as the header
+  ``proxy.route`` (analysis, admission, the policy); a generating body gets the changes
+  ``passthrough.isolated`` makes (the tenant's salt) and the least loaded replica; then the chosen endpoint as the header
   ``x-gateway-destination-endpoint: ip:port`` and in dynamic metadata
   ``envoy.lb/x-gateway-destination-endpoint``, with the route cache cleared and the body
   replaced when the gateway changed it (``--fallbacks N``: N more endpoints after it,
@@ -41,43 +47,33 @@ Istio's override-host policy looks up among the pool's endpoints.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import logging
 import time
 
-import grpc
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from multidict import CIMultiDict
 
+from .bodies import head_of, loads, shape_refusal
 from .constants import REPLICA_HEADER
 from .dialects import MESSAGES, RESPONSES, Events
+from .endpoints import ROUTED, Kind, kind_of, stored_id
 from .errors import openai_error
 from .extproc import (DESTINATION_HEADER, SKIP_BODIES, duplex_modes, header_list, immediate, metadata, served_of,
                       set_header, streamed, subset_of)
 from .forward import InFlight, Outcome, answered
 from .gateway import Gateway
-from .inbound import inbound_of, loads
+from .inbound import inbound_of
 from .learning import learn
-from .passthrough import home_of, refusal
+from .passthrough import home_of, isolated, not_found
 from .policy import Decision, Route
 from .proxy import route
 from .relay import UsageFilter
 
-__all__ = ["DESTINATION_HEADER", "LIVENESS", "Picker", "READINESS", "add_picker", "subset_of"]
+__all__ = ["DESTINATION_HEADER", "Exchange", "subset_of"]
 
-log = logging.getLogger(__name__)
 
-ROUTED = {"/v1/chat/completions": True, "/v1/completions": False, RESPONSES: True, MESSAGES: True}  # path: chat
-# gRPC health services (the protocol's "Health Checking"; inference-extension: the name the
-# reference picker's probes ask for, so manifests written for it work unchanged)
-LIVENESS = "liveness"
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-READINESS = ("readiness", "", pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name, "inference-extension")
 Answers = list[pb.ProcessingResponse]
 
 
@@ -90,15 +86,18 @@ class _Client:
         self.headers = headers
 
 
-def _pick(gw: Gateway, endpoint: str, body: bytes | None = None, duplex: bool = False) -> pb.CommonResponse:
-    """The request's mutation: its endpoint; as ``serve`` forwards it, a tenant's key never
-    reaches the replica and ``auth.upstream_api_key`` does; ``body`` replacing the client's
-    (in duplex mode the body is streamed back instead, and Envoy drops the content length)."""
+def _pick(gw: Gateway, client: _Client, endpoint: str, body: bytes | None = None,
+          duplex: bool = False) -> pb.CommonResponse:
+    """The request's mutation: its endpoint; as ``serve`` forwards it
+    (``Tenants.upstream_headers``), ``auth.upstream_api_key`` replaces the client's
+    Authorization, which reaches the replica only from an open gateway and never when it is a
+    tenant's or an admin's key; ``body`` replacing the client's (in duplex mode the body is
+    streamed back instead, and Envoy drops the content length)."""
     headers = [set_header(DESTINATION_HEADER, endpoint)]
     common = pb.CommonResponse(clear_route_cache=True)
     if gw.config.auth.upstream_api_key:
         headers.append(set_header("authorization", f"Bearer {gw.config.auth.upstream_api_key}"))
-    elif gw.tenants.enabled:
+    elif "authorization" not in gw.tenants.upstream_headers(client, {"authorization": ""}):
         common.header_mutation.remove_headers.append("authorization")
     if body is not None and not duplex:
         common.body_mutation.body = body
@@ -107,7 +106,7 @@ def _pick(gw: Gateway, endpoint: str, body: bytes | None = None, duplex: bool = 
     return common
 
 
-class _Exchange:
+class Exchange:
     """One HTTP request through Envoy: its choice, its slot on the replica, its answer read.
     ``fallbacks``: how many endpoints to name after the chosen one. Each ``on_*`` method takes
     one of Envoy's messages and returns the answers to send, in order (none while it waits)."""
@@ -118,7 +117,9 @@ class _Exchange:
         self.passing = False  # duplex: a body not routed by prefix, streamed back as it comes
         self.route: Route | None = None  # retry, once the gateway reports a fallback served it
         self.headers: CIMultiDict = CIMultiDict()
+        self.client = _Client(CIMultiDict())  # the headers as inbound_of and the key checks read them
         self.path = ""
+        self.kind = Kind.UNKNOWN
         self.body = bytearray()
         self.inbound = self.info = None
         self.decision: Decision | None = None
@@ -136,29 +137,61 @@ class _Exchange:
         self.subset = subset_of(request)
         message = request.request_headers
         self.headers = header_list(message)
+        self.client = _Client(CIMultiDict((k, v) for k, v in self.headers.items() if not k.startswith(":")))
         self.path = self.headers.get(":path", "").split("?", 1)[0]
         method = self.headers.get(":method", "")
-        if method == "POST" and self.path in ROUTED and not message.end_of_stream:
-            return [] if self.duplex else [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
-        # to one replica, as serve's passthrough sends it, with the keys it asks for (an
+        self.kind = kind_of(method, self.path, self.gw.config.auth.tenant_paths)
+        # the keys first: no body is read for a request that has not the key it needs (an
         # operator's POST goes to one replica here, not to all: send those to serve)
-        refused = refusal(_Client(self.headers), self.gw, method, self.path)
+        refused = self.gw.tenants.refusal(self.client, self.kind, method, self.path)
+        if refused is None:
+            refused = self._too_large(self.headers.get("content-length", ""))
         if refused is not None:
             return [immediate(refused)]
-        routable = sorted((r for r in self.gw.replicas.values()
-                           if r.routable and (self.subset is None or r.name in self.subset)),
-                          key=lambda r: (r.routing_load, r.name))
+        if self.kind in (Kind.ROUTED, Kind.GENERATES) and not message.end_of_stream:
+            return [] if self.duplex else [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+        response_id = stored_id(self.path) if self.kind is Kind.STORED else None
+        if response_id is not None:
+            return await self._to_home(response_id, message.end_of_stream)
+        routable = self._routable()
         if not routable:
             where = "" if self.subset is None else " in the endpoint subset"
             return [immediate(openai_error(503, "no healthy replica" + where, type_="ServiceUnavailableError"))]
         self.passing = self.duplex and not message.end_of_stream
         return [self._to(routable[0].name, headers=True)]
 
+    def _routable(self) -> list:
+        """Routable replicas in the subset, least loaded first."""
+        return sorted((r for r in self.gw.replicas.values()
+                       if r.routable and (self.subset is None or r.name in self.subset)),
+                      key=lambda r: (r.routing_load, r.name))
+
+    def _too_large(self, declared: str | int) -> web.Response | None:
+        """The 413 for a body of ``declared`` bytes past ``limits.max_body_bytes``, else None."""
+        limit = self.gw.config.limits.max_body_bytes
+        if isinstance(declared, str):
+            declared = int(declared) if declared.isascii() and declared.isdigit() else 0
+        if declared > limit:
+            return openai_error(413, f"request body of {declared} bytes exceeds the limit of {limit}")
+        return None
+
+    async def _to_home(self, response_id: str, end: bool) -> Answers:
+        """A stored Response's request: to the replica holding it; 404 to a tenant that did not
+        create it (``response_homes.py``), or when no routable replica holds it."""
+        tenant = self.gw.tenants.tenant_of(self.client) if self.gw.tenants.enabled else None
+        if tenant is not None and not self.gw.response_homes.owned_by(response_id, tenant.name):
+            return [immediate(not_found(response_id))]
+        home = await home_of(self.gw, response_id, dict(self.client.headers))
+        if home is None:
+            return [immediate(not_found(response_id))]
+        self.passing = self.duplex and not end
+        return [self._to(home.name, headers=True)]
+
     def _to(self, endpoint: str, headers: bool = False, body: bytes | None = None,
             skip_bodies: bool = True) -> pb.ProcessingResponse:
         """The answer that sends the request to ``endpoint``: as the headers' answer or the
         buffered body's; ``skip_bodies``: no more is said of it (the answer is not read)."""
-        common = _pick(self.gw, endpoint, body, self.duplex)
+        common = _pick(self.gw, self.client, endpoint, body, self.duplex)
         mode = SKIP_BODIES if skip_bodies and not self.duplex else None  # duplex: Istio allows no mode override
         if headers or self.duplex:
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
@@ -170,6 +203,10 @@ class _Exchange:
         message = request.request_body
         if self.passing:
             return streamed(message.body, message.end_of_stream)
+        refused = self._too_large(len(self.body) + len(message.body))
+        if refused is not None:
+            self.body = bytearray()  # nothing more is kept
+            return [immediate(refused)]
         self.body += message.body
         if not message.end_of_stream:
             return [] if self.duplex else [pb.ProcessingResponse(request_body=pb.BodyResponse())]
@@ -185,8 +222,9 @@ class _Exchange:
     async def choose(self, end: bool) -> Answers:
         """The whole request body is here: check it, route it, send it on (``end``: no trailers follow)."""
         raw = bytes(self.body)
-        client = _Client(CIMultiDict((k, v) for k, v in self.headers.items() if not k.startswith(":")))
-        inbound = inbound_of(client, self.gw, self.path, ROUTED[self.path], raw)
+        if self.kind is Kind.GENERATES:
+            return self._generating(raw, end)
+        inbound = inbound_of(self.client, self.gw, self.path, ROUTED[self.path], raw)
         if isinstance(inbound, web.Response):
             return [immediate(inbound)]
         if self.subset == frozenset():
@@ -211,6 +249,20 @@ class _Exchange:
             UsageFilter(keep_usage=inbound.client_wants_usage) if inbound.stream else None)
         endpoint = ",".join([replica.name, *self.fallbacks_of(self.decision)])
         return [self._to(endpoint, body=body, skip_bodies=False), *self._body_back(body or raw, end)]
+
+    def _generating(self, raw: bytes, end: bool) -> Answers:
+        """A generating body (``endpoints.GENERATES``): isolated as ``serve`` sends it, to the
+        least loaded replica."""
+        refused = shape_refusal(raw, self.gw.config.limits)
+        tenant = self.gw.tenants.tenant_of(self.client) if self.gw.tenants.enabled else None
+        body = refused or isolated(self.gw, tenant, raw, head_of(raw))
+        if isinstance(body, web.Response):
+            return [immediate(body)]
+        routable = self._routable()
+        if not routable:
+            return [immediate(openai_error(503, "no healthy replica", type_="ServiceUnavailableError"))]
+        changed = body if body is not raw else None
+        return [self._to(routable[0].name, body=changed), *self._body_back(body, end)]
 
     def _body_back(self, body: bytes, end: bool) -> Answers:
         """Duplex mode: the request body Envoy is waiting for, streamed back."""
@@ -244,7 +296,7 @@ class _Exchange:
         message = request.response_headers
         self.on_served(served_of(request))
         status = header_list(message).get(":status", "0")
-        self.status = int(status) if status.isdigit() else 0
+        self.status = int(status) if status.isascii() and status.isdigit() else 0
         response = pb.HeadersResponse()
         if self.slot is not None:
             response.response.header_mutation.set_headers.append(set_header(REPLICA_HEADER, self.slot.replica.name))
@@ -311,89 +363,3 @@ class _Exchange:
         if self.slot is not None:
             slot, self.slot = self.slot, None
             slot.__exit__(None, None, None)
-
-
-class Picker(pb_grpc.ExternalProcessorServicer):
-    """``ExternalProcessor/Process`` for one gateway (module docstring)."""
-
-    def __init__(self, gw: Gateway, fallbacks: int = 0) -> None:
-        self.gw, self.fallbacks = gw, fallbacks
-        self.active = 0  # exchanges (HTTP requests through the gateway) in progress
-
-    async def Process(self, request_iterator, context):  # noqa: N802 (the gRPC method's name)
-        exchange = _Exchange(self.gw, self.fallbacks)
-        self.active += 1
-        try:
-            async for message in request_iterator:
-                kind = message.WhichOneof("request")
-                if kind == "request_headers":
-                    answers = await exchange.on_request_headers(message)
-                elif kind == "request_body":
-                    answers = await exchange.on_request_body(message)
-                elif kind == "request_trailers":
-                    answers = await exchange.on_request_trailers()
-                elif kind == "response_headers":
-                    answers = exchange.on_response_headers(message)
-                elif kind == "response_body":
-                    answers = exchange.on_response_body(message)
-                elif kind == "response_trailers":
-                    answers = exchange.on_response_trailers()
-                else:
-                    continue
-                for answer in answers:
-                    yield answer
-        finally:
-            self.active -= 1
-            exchange.abandon()
-
-
-def add_picker(app: web.Application, port: int, host: str = "0.0.0.0", fallbacks: int = 0) -> None:
-    """Run the picker's gRPC server on ``host:port`` for ``app``'s lifetime (``fallbacks``:
-    endpoints named after each chosen one), with the standard gRPC health service as the
-    protocol names it: ``liveness`` SERVING while the process answers; ``readiness``, the
-    ExternalProcessor service, the server as a whole (``""``) and ``inference-extension``
-    SERVING from the start (the first discovery, health check and scrape are done by then)
-    until shutdown. With no routable replica the picker stays ready and answers 503 itself, as
-    the protocol asks; a NOT_SERVING picker would leave the gateway nothing to ask.
-
-    On shutdown (SIGTERM) readiness turns NOT_SERVING and the exchanges in flight (streams
-    being answered) get up to ``drain_s`` to end before the server stops. Raises ``OSError``
-    at start when the port cannot be bound."""
-    from .app import GATEWAY
-
-    state: dict = {}
-
-    async def run(app: web.Application):
-        server = grpc.aio.server()
-        picker = Picker(app[GATEWAY], fallbacks)
-        pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
-        checker = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-        try:  # grpcio raises where older releases returned 0
-            bound = server.add_insecure_port(f"{host}:{port}")
-        except RuntimeError:
-            bound = 0
-        if bound == 0:
-            raise OSError(f"cannot listen on {host}:{port} for gRPC: the port is taken, or the address is not this machine's")
-        for service in (LIVENESS, *READINESS):
-            await checker.set(service, health_pb2.HealthCheckResponse.SERVING)
-        await server.start()
-        log.info("endpoint picker (Envoy ext_proc) on %s:%d", host, port)
-        state.update(picker=picker, checker=checker)
-        yield
-        await server.stop(grace=1.0)
-
-    async def drain(app: web.Application) -> None:
-        if "picker" not in state:
-            return
-        picker, checker = state["picker"], state["checker"]
-        for service in READINESS:
-            await checker.set(service, NOT_SERVING)
-        drain_s = app[GATEWAY].config.drain_s
-        log.info("endpoint picker: not ready; %d exchanges in flight get up to %g s to finish", picker.active, drain_s)
-        deadline = time.monotonic() + drain_s
-        while picker.active and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-
-    app.cleanup_ctx.append(run)
-    app.on_shutdown.append(drain)

@@ -6,38 +6,38 @@ What it changes on the way (the body is otherwise passed byte for byte):
 - a streaming request gets ``stream_options.include_usage``, so the engine reports
   ``cached_tokens`` in its last event (``relay.UsageFilter`` drops that event again when the
   client did not ask for it);
-- ``vllm_xargs.kv_cache_report_mode`` is dropped: ``"full"`` makes vLLM publish ``BlockStored``
-  again for every block a request reuses, with no ``BlockRemoved`` to match, so the KV events
-  every gateway reads would hold those blocks forever;
-- under tenants, the tenant's ``cache_salt`` (``tenants.Tenants.salt``) and the tenant's name in
-  front of the session key, so tenants' caches and sessions never meet; the client's
-  Authorization (a tenant key) is not forwarded.
+- what ``tenants.Tenants.isolation`` asks of every generating request: under tenants the
+  tenant's ``cache_salt``, and ``vllm_xargs.kv_cache_report_mode`` dropped; under tenants the
+  tenant's name in front of the session key, so tenants' caches and sessions never meet; the
+  client's Authorization only where ``Tenants.upstream_headers`` allows it.
 
 A Responses or Anthropic Messages request (``dialects.py``) is forwarded as it came (with the
 same salt and ``vllm_xargs`` changes); what routing reads is the chat request vLLM renders from
 it (``Inbound.prompt``), a Responses request continuing a ``previous_response_id`` rendered from
 the history remembered with it (``response_homes.py``).
 
-Bad input gets an OpenAI-style error: 401 (unknown key), 413 (``limits.max_body_bytes``), 400
-(unreadable body, bad JSON, a body ``prompts.check_body`` refuses), 503 (no replica routable).
+Bad input gets an OpenAI-style error: 401 (unknown key), 408 and 413 (``bodies.py``: a body too
+slow, too large or of too many values), 400 (unreadable body, bad JSON, a body
+``prompts.check_body`` refuses, a nested salt vLLM would refuse), 503 (no replica routable).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from .anthropic import check_messages_body, messages_prompt
+from .bodies import loads, parse, read_body
 from .dialects import MESSAGES, RESPONSES, check_responses_body, responses_prompt
 from .errors import openai_error
 from .gateway import Gateway
 from .prompts import check_body
 
-__all__ = ["Inbound", "forward_headers", "inbound_of", "read_inbound", "loads", "parse", "patched"]
+__all__ = ["Inbound", "forward_headers", "inbound_of", "read_inbound", "loads", "patched"]
 
 # Not forwarded: hop-by-hop headers, and Content-Encoding, since aiohttp hands the handler the
 # decompressed body (a gzip header on a plain body made replicas answer 500)
@@ -61,23 +61,14 @@ class Inbound:
     stream: bool
     client_wants_usage: bool  # the client asked for ``stream_options.include_usage`` itself
     session: str | None  # the session key (header or ``user``), tenant-scoped
-
-
-def loads(data: bytes):
-    """JSON from bytes: orjson, or Python's json for what orjson refuses and it takes (lone
-    surrogates, NaN and Infinity, as vLLM writes a -inf logprob). Raises ValueError or
-    RecursionError for what neither takes, with the standard parser's message."""
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return json.loads(data)
+    tenant: str | None = None  # the tenant's name under tenants: a Response it creates is its own
 
 
 async def read_inbound(request: web.Request, gw: Gateway, path: str, chat: bool) -> Inbound | web.Response:
     """The request checked and prepared for forwarding, or the error response to answer."""
     if gw.tenants.enabled and gw.tenants.tenant_of(request) is None:
         return openai_error(401, "missing or unknown API key (Authorization: Bearer KEY)", type_="AuthenticationError")
-    raw = await _read_raw(request, gw.config.limits.max_body_bytes)
+    raw = await read_body(request, gw.config.limits)
     if isinstance(raw, web.Response):
         return raw
     return inbound_of(request, gw, path, chat, raw)
@@ -89,25 +80,26 @@ def inbound_of(request, gw: Gateway, path: str, chat: bool, raw: bytes) -> Inbou
     tenant = gw.tenants.tenant_of(request) if gw.tenants.enabled else None
     if gw.tenants.enabled and tenant is None:
         return openai_error(401, "missing or unknown API key (Authorization: Bearer KEY)", type_="AuthenticationError")
-    body = parse(raw)
+    body = parse(raw, gw.config.limits)
     if isinstance(body, web.Response):
         return body
     problem = _CHECKS[path](body) if path in _CHECKS else check_body(body, chat)
     if problem is not None:
         return openai_error(400, *problem)
+    previous = body.get("previous_response_id") if path == RESPONSES else None
+    if tenant is not None and previous and not gw.response_homes.owned_by(str(previous), tenant.name):
+        return openai_error(404, f"Response with id '{str(previous)[:200]}' not found.", "previous_response_id")
     if not any(r.routable for r in gw.replicas.values()):
         return openai_error(503, "no healthy replica", type_="ServiceUnavailableError")
     stream = body.get("stream") is True
     options = body.get("stream_options")
     wants_usage = isinstance(options, dict) and options.get("include_usage") is True
-    extra = _changes(body, stream and path not in _CHECKS, wants_usage)
-    session = _session_key(request, body, gw)
-    if tenant is not None:
-        salt = gw.tenants.salt(tenant, body.get("cache_salt"))
-        if body.get("cache_salt") != salt:
-            extra["cache_salt"] = salt
-        if session is not None:
-            session = f"{tenant.name}:{session}"  # tenants' session ids never meet
+    try:
+        extra = {**_usage_options(body, stream and path not in _CHECKS, wants_usage),
+                 **gw.tenants.isolation(tenant, body)}
+    except ValueError as exc:  # a nested cache_salt vLLM would refuse
+        return openai_error(400, str(exc), "cache_salt")
+    session = gw.tenants.session(tenant, _session_key(request, body, gw))
     try:
         payload = patched(raw, body, extra)
         body.update(extra)  # what the replica sees is what routing hashes (the salt seeds the blocks)
@@ -115,9 +107,11 @@ def inbound_of(request, gw: Gateway, path: str, chat: bool, raw: bytes) -> Inbou
     except RecursionError:  # orjson reads 1,024 levels; Python's own JSON and repr fewer
         return openai_error(400, "request body is nested too deeply", "body")
     headers = {**forward_headers(request, gw), "Content-Type": "application/json"}
-    return Inbound(path, chat, raw, body, prompt, payload, headers, stream, wants_usage, session)
+    return Inbound(path, chat, raw, body, prompt, payload, headers, stream, wants_usage, session,
+                   tenant.name if tenant is not None else None)
 
 
+_LONG_NUMBER = re.compile(rb"\d{20}")  # 20 digits: more than a 64-bit integer holds (or a string's)
 _CHECKS = {RESPONSES: check_responses_body, MESSAGES: check_messages_body}
 
 
@@ -140,56 +134,38 @@ def _prompt(gw: Gateway, path: str, body: dict, raw: bytes) -> dict | None:
                 "messages": [{"role": "user", "content": raw.decode("utf-8", "replace")}]}
 
 
-def _changes(body: dict, stream: bool, client_wants_usage: bool) -> dict:
-    """The top-level keys the gateway sets before forwarding (see the module's docstring)."""
-    extra: dict = {}
-    if stream and not client_wants_usage:
-        options = body.get("stream_options")
-        extra["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-    xargs = body.get("vllm_xargs")
-    if isinstance(xargs, dict) and "kv_cache_report_mode" in xargs:
-        extra["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
-    return extra
+def _usage_options(body: dict, stream: bool, client_wants_usage: bool) -> dict:
+    """``stream_options`` with ``include_usage`` for a stream whose client did not ask for it."""
+    if not stream or client_wants_usage:
+        return {}
+    options = body.get("stream_options")
+    return {"stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True}}
 
 
-async def _read_raw(request: web.Request, limit: int) -> bytes | web.Response:
-    if request.content_length is not None and request.content_length > limit:
-        return openai_error(413, f"request body of {request.content_length} bytes exceeds the limit of {limit}")
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        return openai_error(413, f"request body exceeds the limit of {limit} bytes")
-    except (web.RequestPayloadError, aiohttp.http_exceptions.HttpProcessingError) as exc:
-        # e.g. Content-Encoding: gzip on a body that is not gzip
-        return openai_error(400, f"request body could not be read ({type(exc).__name__})", "body")
-
-
-def parse(raw: bytes) -> dict | web.Response:
-    """The body as a JSON object, or the 400 to answer."""
-    try:
-        body = loads(raw)
-    except (ValueError, RecursionError) as exc:
-        return openai_error(400, f"JSON decode error: {str(exc)[:200]}", "body")
-    if not isinstance(body, dict):
-        return openai_error(400, "request body must be a JSON object", "body")
-    return body
-
-
-
-def patched(raw: bytes, body: dict, extra: dict) -> bytes:
+def patched(raw: bytes, body: dict | None, extra: dict, keys: frozenset[str] | set[str] | None = None) -> bytes:
     """The client's body with the ``extra`` top-level keys set (usage reporting, a tenant's salt).
 
-    When none of them is in the body, they are spliced in front of the client's bytes (no
-    re-serialisation of a prompt that may be megabytes); otherwise the body is re-encoded from
-    the client's bytes read by Python's own parser, which keeps integers beyond 64 bits exact
-    (orjson reads them as floats).
+    When none of them is in the body (``keys``: the body's top-level keys, when ``body`` is
+    not at hand), they are spliced in front of the client's bytes: no re-serialisation of a
+    prompt that may be megabytes. Otherwise ``body`` (parsed once, by ``bodies.loads``; parsed
+    here when None) is encoded again with them: orjson, or Python's json for what orjson does
+    not keep (NaN, lone surrogates, integers beyond 64 bits).
     """
     if not extra:
         return raw
+    present = set(body) if keys is None and body is not None else keys or set()
     stripped = raw.lstrip()
-    if body and stripped.startswith(b"{") and not any(k in body for k in extra):
-        return b"{" + json.dumps(extra, separators=(",", ":"))[1:-1].encode() + b"," + stripped[1:]
-    return json.dumps({**json.loads(raw), **extra}).encode()
+    if stripped.startswith(b"{") and stripped[1:].lstrip()[:1] != b"}" and not any(k in present for k in extra):
+        return b"{" + orjson.dumps(extra)[1:-1] + b"," + stripped[1:]
+    if b"NaN" in raw or b"Infinity" in raw or _LONG_NUMBER.search(raw):
+        # orjson would write NaN as null and read integers beyond 64 bits as floats: Python's
+        # parser keeps them exact (a second parse, for these rare bodies only)
+        return json.dumps({**json.loads(raw), **extra}).encode()
+    whole = {**(loads(raw) if body is None else body), **extra}
+    try:
+        return orjson.dumps(whole)
+    except TypeError:  # lone surrogates
+        return json.dumps(whole).encode()
 
 
 def _session_key(request: web.Request, body: dict, gw: Gateway) -> str | None:
@@ -206,10 +182,8 @@ def _session_key(request: web.Request, body: dict, gw: Gateway) -> str | None:
 
 
 def forward_headers(request: web.Request, gw: Gateway) -> dict[str, str]:
-    """The client's headers, less hop-by-hop ones. Under tenants the client's Authorization (a
-    tenant key) is dropped, so replicas never see it; the HTTP session then sends
-    ``auth.upstream_api_key`` when one is configured (``app.create_app``)."""
+    """The client's headers, less hop-by-hop ones and less the client's Authorization wherever
+    ``Tenants.upstream_headers`` says so; the HTTP session then sends ``auth.upstream_api_key``
+    when one is configured (``app.create_app``)."""
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
-    if gw.tenants.enabled:
-        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
-    return headers
+    return gw.tenants.upstream_headers(request, headers)

@@ -140,7 +140,7 @@ def _remember_response(gw: Gateway, inbound: Inbound, outcome: Outcome) -> None:
     if (answer is not None and inbound.body.get("store") is not False and inbound.prompt is not None
             and answer.get("status") in ("completed", "incomplete")):
         history = [*inbound.prompt["messages"], *output_messages(answer)]
-    gw.response_homes.remember(outcome.response_id, outcome.replica.name, history)
+    gw.response_homes.remember(outcome.response_id, outcome.replica.name, history, owner=inbound.tenant)
 
 
 def _log(gw: Gateway, inbound: Inbound, **fields) -> None:

@@ -1,42 +1,46 @@
 """Every endpoint vLLM serves beyond the routed ones: to one replica, or, for an operator's, to all.
 
-vLLM 0.32's OpenAI server registers some sixty routes (``vllm/entrypoints/openai/api_server.py``
-and the routers it includes under ``vllm/entrypoints/``). The gateway routes chat and completions
-by prefix (``proxy.py``) and sorts every other request in three:
-
-The gateway routes ``/v1/responses`` and ``/v1/messages`` by prefix too (``dialects.py``); a
-Responses request continuing a response whose history it does not hold comes here.
+vLLM 0.32's OpenAI server registers some seventy routes; ``endpoints.kind_of`` sorts each
+request (the lists live there), and ``tenants.Tenants.refusal`` says who may call it. The
+gateway routes chat, completions, ``/v1/responses`` and ``/v1/messages`` by prefix
+(``proxy.py``); a Responses request continuing a response whose history it does not hold comes
+here. The rest:
 
 - **Stored responses** (``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``, a
   ``POST /v1/responses`` naming a ``previous_response_id``): to the replica that created that
   response (``response_homes.py``); one this gateway never saw is looked for with ``GET
-  /v1/responses/{id}`` on each routable replica in turn.
+  /v1/responses/{id}`` on each routable replica in turn. Under tenants, only the tenant that
+  created it reaches it (404 to the others).
 - **Operator endpoints** (``OPERATOR_POSTS``: ``/reset_prefix_cache``, ``/v1/load_lora_adapter``,
   ``/sleep``, ``/wake_up``, ``/pause``, ``/collective_rpc``, weight updates...): they change a
   replica's state, so they need an admin key once any key is configured, and go to every healthy
   replica. When all answer the same status the client gets that status and the first answer's
   body, as from one vLLM; ``x-prefix-router-replicas`` lists each replica's status. When they
   differ, a 502 whose body lists each replica's status and answer.
-- **Unknown POSTs** (neither list: an endpoint of a later vLLM, a typo): to one replica, as
-  below, but with an admin key once any key is configured, since the gateway cannot tell
-  whether it changes the replica.
-- **Everything else** (GETs such as ``/version`` and ``/v1/responses``' reads, and the
-  ``INFERENCE_POSTS``: ``/tokenize``, ``/v1/embeddings``, ``/v1/score``, ``/v1/messages``...):
-  to one routable replica, the least loaded of those serving the body's ``model`` (all routable
-  ones when none lists it: vLLM then answers its own 404), with a tenant's key when tenants are
-  configured. A connect error or a 5xx is retried on another replica (``upstream.max_retries``),
-  each outcome goes to the replica's circuit breaker, and the answer, streamed or not, is passed
-  back as it comes (``relay.py``), with ``x-prefix-router-replica`` naming the replica.
+- **Generating endpoints** (``GENERATES``: ``/invocations``, ``/v1/chat/completions/batch``,
+  ``/v1/embeddings``, ``/v1/score``...): the engine computes KV from the body, so it goes with the
+  changes ``Tenants.isolation`` makes (the tenant's ``cache_salt``, ``kv_cache_report_mode``
+  dropped), spliced into the client's bytes; under tenants a body that is not a JSON object is
+  refused (400), since no salt can be set in it.
+- **Unknown POSTs** (an endpoint of a later vLLM, a typo): to one replica, as below, with an
+  admin key once any key is configured, since the gateway cannot tell whether it changes the
+  replica; tenants only where ``auth.tenant_paths`` lists them (then as a generating endpoint).
+- **Everything else** (GETs such as ``/version``, and ``SERVES``: ``/tokenize``, the render
+  endpoints...): to one routable replica, the least loaded of those serving the body's ``model``
+  (all routable ones when none lists it: vLLM then answers its own 404), with a tenant's key
+  when tenants are configured. A connect error or a 5xx is retried on another replica
+  (``upstream.max_retries``), each outcome goes to the replica's circuit breaker, and the
+  answer, streamed or not, is passed back as it comes (``relay.py``), with
+  ``x-prefix-router-replica`` naming the replica.
 
-Body limits are the gateway's (``limits.max_body_bytes``); requests are counted in
-``prefix_router_requests_total`` with ``route="passthrough"`` or ``route="fanout"``.
+Bodies are read within ``bodies.py``'s bounds, and only their head (``model``, the salt, a
+``previous_response_id``) is parsed; requests are counted in ``prefix_router_requests_total``
+with ``route="passthrough"`` or ``route="fanout"``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import re
 import time
 from urllib.parse import quote
 
@@ -44,94 +48,97 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from .bodies import Head, head_of, read_body, shape_refusal
+from .endpoints import Kind, kind_of, stored_id
 from .errors import error_body, openai_error
 from .forward import breaker_record
 from .gateway import Gateway
-from .inbound import forward_headers, loads
+from .inbound import forward_headers, patched
 from .relay import CLIENT_GONE, relay
 from .replicas import ReplicaState
 from .response_homes import response_id_of_stream
-from .tenants import bearer
 
-__all__ = ["INFERENCE_POSTS", "OPERATOR_POSTS", "REPLICAS_HEADER", "handle_passthrough", "home_of", "refusal"]
+__all__ = ["REPLICAS_HEADER", "handle_passthrough", "home_of", "isolated", "not_found",
+           "refusal"]
 
 REPLICAS_HEADER = "x-prefix-router-replicas"  # a fan-out's per-replica statuses: "a:8000=200,b:8000=200"
-# POSTs that serve a client, not change a replica (vLLM 0.32's routers; /ping is a health check)
-INFERENCE_POSTS = frozenset({
-    "/v1/chat/completions/render", "/v1/chat/completions/derender", "/v1/chat/completions/batch",
-    "/v1/completions/render", "/v1/completions/derender", "/v1/responses", "/v1/responses/render",
-    "/v1/messages", "/v1/messages/count_tokens", "/v1/messages/render", "/v1/embeddings", "/v1/score", "/score",
-    "/v1/rerank", "/rerank", "/v2/rerank", "/classify", "/pooling", "/tokenize", "/detokenize",
-    "/v1/audio/transcriptions", "/v1/audio/translations", "/invocations", "/ping", "/v1/systemone",
-})
-# POSTs that change a replica's state (vLLM 0.32's routers under vllm/entrypoints/serve/ and the
-# dev-mode ones of api_server.py): every replica gets them
-OPERATOR_POSTS = frozenset({
-    "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache", "/release_kv_cache_memory", "/sleep",
-    "/wake_up", "/pause", "/resume", "/abort_requests", "/inference/v1/abort_requests", "/collective_rpc",
-    "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/start_profile", "/stop_profile", "/update_weights",
-    "/update_weight_version", "/start_weight_update", "/start_draft_weight_update", "/finish_weight_update",
-    "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine", "/weight_checker",
-    "/scale_elastic_ep", "/is_scaling_elastic_ep",
-})
-_STORED = re.compile(r"^/v1/responses/([^/]{1,200})(/cancel)?$")
-_READS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 async def handle_passthrough(request: web.Request, gw: Gateway, payload: bytes | None = None,
                              headers: dict[str, str] | None = None) -> web.StreamResponse:
     """Any request without a handler of its own (module docstring). ``payload`` and ``headers``:
     what to send instead of the client's body and headers (a routed request the proxy hands
-    over, with its tenant's salt set: ``inbound.Inbound``)."""
+    over, already isolated: ``inbound.Inbound``)."""
     path, method = request.path, request.method
-    operator = method not in _READS and path in OPERATOR_POSTS
-    refused = refusal(request, gw, method, path)
+    kind = kind_of(method, path, gw.config.auth.tenant_paths)
+    refused = refusal(request, gw, method, path, kind)
     if refused is not None:
         return refused
-    raw = await request.read() if payload is None else payload
+    tenant = gw.tenants.tenant_of(request) if gw.tenants.enabled else None
+    raw = await read_body(request, gw.config.limits) if payload is None else payload
+    if isinstance(raw, web.Response):
+        return raw
     headers = forward_headers(request, gw) if headers is None else headers
-    if operator:
+    if kind is Kind.OPERATOR:
         return await _fanout(request, gw, raw, headers)
-    body = None
+    head = None
     if raw:  # whatever its Content-Type: vLLM reads a body sent without one as JSON
-        with contextlib.suppress(ValueError, RecursionError):  # the replica answers a broken body itself
-            body = loads(raw)
-    stored = _STORED.match(path)
-    response_id = stored.group(1) if stored else (
-        body.get("previous_response_id") if isinstance(body, dict) and path == "/v1/responses" else None)
+        refused = shape_refusal(raw, gw.config.limits)
+        if refused is not None:
+            return refused
+        head = head_of(raw)
+    if kind is Kind.GENERATES and payload is None:
+        isolated_raw = isolated(gw, tenant, raw, head)
+        if isinstance(isolated_raw, web.Response):
+            return isolated_raw
+        if isolated_raw is not raw:
+            raw, headers = isolated_raw, {**headers, "Content-Type": "application/json"}
+    response_id = stored_id(path) if kind is Kind.STORED else (
+        head.get("previous_response_id") if head and path == "/v1/responses" else None)
+    owner = tenant.name if tenant is not None else None
     if isinstance(response_id, str) and response_id:
+        if owner is not None and not gw.response_homes.owned_by(response_id, owner):
+            return not_found(response_id)
         home = await home_of(gw, response_id, headers)
-        if home is None:  # no replica holds it: any one answers vLLM's own 404
-            candidates = _candidates(gw, body)
-        else:
-            candidates = [home]
+        candidates = [home] if home is not None else _candidates(gw, head)  # none: any one answers vLLM's 404
     else:
-        candidates = _candidates(gw, body)
+        candidates = _candidates(gw, head)
     if not candidates:
         return openai_error(503, "no healthy replica", type_="ServiceUnavailableError")
-    return await _forward(request, gw, raw, headers, candidates, learn_id=path == "/v1/responses")
+    return await _forward(request, gw, raw, headers, candidates, learn_id=path == "/v1/responses", owner=owner)
 
 
-def refusal(request, gw: Gateway, method: str, path: str) -> web.Response | None:
-    """The 401 or 403 for a request to ``method path`` without the key it needs (an admin's for
-    what may change a replica, a tenant's for the rest once tenants exist), else None.
-    ``request``: anything with the client's ``headers``."""
-    admin = method not in _READS and (path in OPERATOR_POSTS or path not in INFERENCE_POSTS and not _STORED.match(path))
-    if admin and not gw.tenants.is_admin(request):
-        message = f"{method} {path[:200]} may change the replicas' state and needs an admin key"
-        if bearer(request) is None:
-            return openai_error(401, message + " (Authorization: Bearer KEY)", type_="AuthenticationError")
-        return openai_error(403, message + "; the key given is not one", type_="PermissionDeniedError")
-    if not admin and gw.tenants.enabled and gw.tenants.tenant_of(request) is None \
-            and not gw.tenants.is_admin(request):
-        return openai_error(401, "missing or unknown API key (Authorization: Bearer KEY)", type_="AuthenticationError")
-    return None
+def refusal(request, gw: Gateway, method: str, path: str, kind: Kind | None = None) -> web.Response | None:
+    """The 401 or 403 for a request to ``method path`` without the key it needs
+    (``Tenants.refusal``), else None. ``request``: anything with the client's ``headers``."""
+    kind = kind or kind_of(method, path, gw.config.auth.tenant_paths)
+    return gw.tenants.refusal(request, kind, method, path)
 
 
-def _candidates(gw: Gateway, body) -> list[ReplicaState]:
+def isolated(gw: Gateway, tenant, raw: bytes, head: Head | None) -> bytes | web.Response:
+    """A generating request's body with ``Tenants.isolation``'s changes (``raw`` itself when
+    there are none), or the 400 to answer: under tenants a body that is not a JSON object (no
+    salt can be set in it) or a nested salt vLLM would refuse."""
+    if head is None:
+        if tenant is None:
+            return raw  # the replica answers a broken body itself
+        return openai_error(400, "request body must be a JSON object", "body")
+    try:
+        extra = gw.tenants.isolation(tenant, head)
+    except ValueError as exc:
+        return openai_error(400, str(exc), "cache_salt")
+    return patched(raw, None, extra, keys=head.sent()) if extra else raw
+
+
+def not_found(response_id: str) -> web.Response:
+    """vLLM's 404 for a Response it does not hold (``responses/serving.py``)."""
+    return openai_error(404, f"Response with id '{response_id[:200]}' not found.", type_="NotFoundError")
+
+
+def _candidates(gw: Gateway, head: Head | None) -> list[ReplicaState]:
     """Routable replicas serving the body's model (all routable ones when none lists it), least loaded first."""
     routable = [r for r in gw.replicas.values() if r.routable]
-    model = body.get("model") if isinstance(body, dict) else None
+    model = head.get("model") if head is not None else None
     serving = [r for r in routable if model in r.models] if isinstance(model, str) else []
     return sorted(serving or routable, key=lambda r: (r.routing_load, r.name))
 
@@ -159,7 +166,7 @@ async def home_of(gw: Gateway, response_id: str, headers: dict[str, str]) -> Rep
 
 
 async def _forward(request: web.Request, gw: Gateway, raw: bytes, headers: dict[str, str],
-                   candidates: list[ReplicaState], learn_id: bool) -> web.StreamResponse:
+                   candidates: list[ReplicaState], learn_id: bool, owner: str | None = None) -> web.StreamResponse:
     """To the first candidate that answers below 500, the next ones on a failure (module docstring).
 
     As for generation (``forward.py``), a replica that answered 5xx is blamed in its breaker only
@@ -182,7 +189,7 @@ async def _forward(request: web.Request, gw: Gateway, raw: bytes, headers: dict[
                     gw.metrics.requests.labels(replica.name, "passthrough", str(upstream.status)).inc()
                     last_error = f"replica {replica.name} answered {upstream.status}"
                     continue
-                watch = _IdWatch(gw, replica.name) if learn_id and upstream.status == 200 else None
+                watch = _IdWatch(gw, replica.name, owner) if learn_id and upstream.status == 200 else None
                 relayed = await relay(request, upstream, replica.name,
                                       stream=upstream.content_type == "text/event-stream", client_wants_usage=True,
                                       write_timeout_s=gw.config.limits.client_write_timeout_s,
@@ -212,15 +219,15 @@ async def _forward(request: web.Request, gw: Gateway, raw: bytes, headers: dict[
 class _IdWatch:
     """Remembers the replica of the response id a ``POST /v1/responses`` answer carries."""
 
-    __slots__ = ("gw", "replica", "found")
+    __slots__ = ("gw", "replica", "owner", "found")
 
-    def __init__(self, gw: Gateway, replica: str) -> None:
-        self.gw, self.replica, self.found = gw, replica, False
+    def __init__(self, gw: Gateway, replica: str, owner: str | None = None) -> None:
+        self.gw, self.replica, self.owner, self.found = gw, replica, owner, False
 
     def __call__(self, chunk: bytes) -> None:
         """A stream's chunk: its ``response.created`` event names the id."""
         if not self.found and (response_id := response_id_of_stream(chunk)) is not None:
-            self.gw.response_homes.remember(response_id, self.replica)
+            self.gw.response_homes.remember(response_id, self.replica, owner=self.owner)
             self.found = True
 
     def body(self, data: bytes | None) -> None:
@@ -230,7 +237,7 @@ class _IdWatch:
         except (orjson.JSONDecodeError, AttributeError):
             return
         if isinstance(response_id, str) and response_id:
-            self.gw.response_homes.remember(response_id, self.replica)
+            self.gw.response_homes.remember(response_id, self.replica, owner=self.owner)
 
 
 async def _fanout(request: web.Request, gw: Gateway, raw: bytes, headers: dict[str, str]) -> web.Response:

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from .constants import REPLICA_HEADER
 from .errors import error_body
-from .inbound import loads
+from .bodies import loads
 
 __all__ = ["CLIENT_GONE", "Relayed", "UsageFilter", "relay"]
 

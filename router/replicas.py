@@ -261,9 +261,9 @@ def apply_metrics(replica: ReplicaState, text: str) -> None:
         log.info("replica %s on the ring", replica.name)
     replica.recovering = False
     cache = metrics.get("cache_config", {})
-    if replica.config.block_size is None and cache.get("block_size", "").isdigit():
+    if replica.config.block_size is None and _digits(cache.get("block_size", "")):
         replica.block_size = int(cache["block_size"])
-    if replica.config.num_gpu_blocks is None and cache.get("num_gpu_blocks", "").isdigit():
+    if replica.config.num_gpu_blocks is None and _digits(cache.get("num_gpu_blocks", "")):
         replica.num_gpu_blocks = int(cache["num_gpu_blocks"])
 
 
@@ -273,3 +273,9 @@ async def poll_metrics(http: aiohttp.ClientSession, replicas: Mapping[str, Repli
     while True:
         await asyncio.sleep(interval_s)
         await asyncio.gather(*(scrape_once(http, r, max(interval_s, 1.0)) for r in list(replicas.values())))
+
+
+def _digits(value: str) -> bool:
+    """Whether ``value`` is a non-negative integer in ASCII digits (``str.isdigit`` also takes
+    '²', which ``int`` refuses)."""
+    return value.isascii() and value.isdigit()

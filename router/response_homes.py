@@ -8,6 +8,11 @@ The gateway remembers the replica of every response id it relayed, newest first,
 for a response it routed by prefix (``proxy.py``), the chat messages vLLM stored with it and its
 output: a later request naming it as ``previous_response_id`` is rendered, as vLLM renders it,
 from those (``dialects.responses_prompt``).
+
+Under tenants a Response belongs to the tenant that created it: vLLM would serve it to anyone
+who names its id, so the gateway remembers each id's tenant and answers 404 to any other
+(``owned_by``). An id this gateway process never relayed has no known owner and is 404 to every
+tenant (with ``--workers N`` each worker knows the ids it relayed itself).
 """
 
 from __future__ import annotations
@@ -51,19 +56,26 @@ class ResponseHomes:
         self.capacity = capacity
         self.history_chars = history_chars
         self._homes: OrderedDict[str, str] = OrderedDict()
+        self._owners: dict[str, str] = {}  # response id -> tenant, for ids created under tenants
         self._histories: OrderedDict[str, tuple[tuple[dict, ...], int]] = OrderedDict()
         self._charged = 0
 
     def __len__(self) -> int:
         return len(self._homes)
 
-    def remember(self, response_id: str, replica: str, history: list[dict] | None = None) -> None:
+    def remember(self, response_id: str, replica: str, history: list[dict] | None = None,
+                 owner: str | None = None) -> None:
         """``response_id`` was created on ``replica``; ``history``: the chat messages a request
-        continuing it starts with (its prompt's messages, then its output as assistant messages)."""
+        continuing it starts with (its prompt's messages, then its output as assistant messages);
+        ``owner``: the tenant that created it (kept from its first sighting: a later one cannot
+        claim it)."""
         self._homes[response_id] = replica
         self._homes.move_to_end(response_id)
+        if owner is not None:
+            self._owners.setdefault(response_id, owner)
         while len(self._homes) > self.capacity:
             dropped, _ = self._homes.popitem(last=False)
+            self._owners.pop(dropped, None)
             self._drop_history(dropped)
         if history is not None:
             self._drop_history(response_id)
@@ -87,6 +99,10 @@ class ResponseHomes:
         entry = self._histories.pop(response_id, None)
         if entry is not None:
             self._charged -= entry[1]
+
+    def owned_by(self, response_id: str, tenant: str) -> bool:
+        """Whether ``tenant`` created ``response_id`` (as far as this process saw)."""
+        return self._owners.get(response_id) == tenant
 
     def home(self, response_id: str) -> str | None:
         """The replica holding ``response_id``, or None when this gateway never saw it."""

@@ -9,6 +9,11 @@ a salt the client sent), so tenants never share KV blocks whatever clients send;
 seeds the gateway's block hashes and chat openings, so routing keys differ per tenant too.
 Session ids are scoped by tenant, so two tenants' "session 1" are different conversations.
 
+Every path that reaches a replica asks this module (``endpoints.kind_of`` sorts the paths):
+``Tenants.isolation`` gives the body changes of a generating request (the salt, and
+``vllm_xargs.kv_cache_report_mode`` dropped), ``Tenants.upstream_headers`` the headers a replica
+may see, ``Tenants.session`` the session scope, ``Tenants.refusal`` who may call what.
+
 With no tenants and no admin keys configured the gateway is open, as before.
 """
 
@@ -20,8 +25,15 @@ import hmac
 from aiohttp import web
 
 from .config import AuthConfig, TenantConfig
+from .endpoints import Kind
+from .errors import openai_error
 
-__all__ = ["Tenants", "bearer"]
+__all__ = ["MAX_SALT_CHARS", "SALT_JOIN", "Tenants", "bearer"]
+
+SALT_JOIN = "|"  # between a tenant's salt and a client's nested one: no configured salt holds it
+# vLLM 0.32's rule for cache_salt (``validate_cache_salt``, vllm/entrypoints/generate/base/protocol.py)
+MAX_SALT_CHARS = 128
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
 
 def _digest(key: str) -> bytes:
@@ -77,9 +89,86 @@ class Tenants:
         digest = _digest(key)
         return any([hmac.compare_digest(d, digest) for d in self._admins])
 
+    def carries_admin_key(self, request: web.Request) -> bool:
+        """Whether the request's key is one of ``auth.admin_keys`` (False when none is set)."""
+        return bool(self._admins) and bearer(request) is not None and self.is_admin(request)
+
     def salt(self, tenant: TenantConfig, client_salt: object) -> str:
-        """The cache_salt a tenant's request goes upstream with."""
-        own = tenant.cache_salt or f"tenant:{tenant.name}"
-        if self.config.client_salt == "nest" and isinstance(client_salt, str) and client_salt:
-            return f"{own}/{client_salt}"
-        return own
+        """The cache_salt a tenant's request goes upstream with: the tenant's, or under
+        ``client_salt: nest`` the tenant's and the client's joined by ``SALT_JOIN``. Raises
+        ``ValueError`` (the message for the client) for a nested salt vLLM would refuse."""
+        own = tenant.salt
+        if self.config.client_salt != "nest" or client_salt is None:
+            return own
+        if not isinstance(client_salt, str) or not client_salt:
+            raise ValueError("'cache_salt' must be a non-empty string")
+        nested = f"{own}{SALT_JOIN}{client_salt}"
+        if len(nested) > MAX_SALT_CHARS or any(c in _SALT_FORBIDDEN for c in client_salt):
+            raise ValueError(f"'cache_salt' must be at most {MAX_SALT_CHARS - len(own) - 1} characters under this "
+                             f"tenant and must not contain '@', '/', '\\' or NUL")
+        return nested
+
+    def isolation(self, tenant: TenantConfig | None, body) -> dict:
+        """The top-level keys a generating request's body gets before it goes upstream (an
+        empty dict: none). ``body``: the parsed body, or its ``bodies.Head`` (anything with
+        ``get``). The tenant's salt (``salt``), and ``vllm_xargs`` without
+        ``kv_cache_report_mode``: ``"full"`` makes vLLM publish ``BlockStored`` again for every
+        block a request reuses, with no ``BlockRemoved`` to match, so the KV events every
+        gateway reads would hold those blocks for ever. Raises ``ValueError`` as ``salt``."""
+        get = body.get
+        extra: dict = {}
+        xargs = get("vllm_xargs")
+        if isinstance(xargs, dict) and "kv_cache_report_mode" in xargs:
+            extra["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
+        if tenant is not None:
+            salt = self.salt(tenant, get("cache_salt"))
+            if get("cache_salt") != salt:
+                extra["cache_salt"] = salt
+        return extra
+
+    @staticmethod
+    def session(tenant: TenantConfig | None, key: str | None) -> str | None:
+        """A session key scoped by tenant, so two tenants' "session 1" never meet."""
+        return key if tenant is None or key is None else f"{tenant.name}:{key}"
+
+    def upstream_headers(self, request: web.Request, headers: dict[str, str]) -> dict[str, str]:
+        """``headers`` (the client's, less hop-by-hop ones) without the client's Authorization
+        wherever it is not the replica's business: under tenants (a tenant key), where
+        ``auth.upstream_api_key`` is set (the gateway's key goes instead), and when it is an
+        admin key. Only an open gateway passes a client's own key on (vLLM's ``--api-key``)."""
+        if self.enabled or self.config.upstream_api_key or self.carries_admin_key(request):
+            return {k: v for k, v in headers.items() if k.lower() != "authorization"}
+        return headers
+
+    def refusal(self, request: web.Request, kind: Kind, method: str, path: str) -> web.Response | None:
+        """The 401 or 403 for a request of ``kind`` without the key it needs, else None.
+        ``request``: anything with the client's ``headers``.
+
+        - ``OPERATOR`` and ``UNKNOWN`` (may change a replica): an admin key once any key is set;
+        - under tenants, ``ROUTED``, ``GENERATES`` and ``STORED``: a tenant's key (the salt and
+          the Response's owner come from it); ``UNSALTABLE``: refused (403), the engine would
+          compute a cache any tenant could probe; ``SERVES``: a tenant's key or an admin's.
+        """
+        what = f"{method} {path[:200]}"
+        if kind in (Kind.OPERATOR, Kind.UNKNOWN):
+            if self.is_admin(request):
+                return None
+            message = f"{what} may change the replicas' state and needs an admin key"
+            if kind is Kind.UNKNOWN and self.enabled:
+                message = f"{what} is not an endpoint the gateway knows; an operator may allow it (auth.tenant_paths)"
+            return self._denied(request, message)
+        if not self.enabled:
+            return None
+        if kind is Kind.UNSALTABLE:
+            return openai_error(403, f"{what} computes a prefix cache it cannot separate per tenant (its requests "
+                                     "carry no cache_salt), so it is closed to tenants", type_="PermissionDeniedError")
+        tenant = self.tenant_of(request)
+        if tenant is not None or (kind is Kind.SERVES and self.is_admin(request)):
+            return None
+        return openai_error(401, "missing or unknown API key (Authorization: Bearer KEY)", type_="AuthenticationError")
+
+    @staticmethod
+    def _denied(request: web.Request, message: str) -> web.Response:
+        if bearer(request) is None:
+            return openai_error(401, message + " (Authorization: Bearer KEY)", type_="AuthenticationError")
+        return openai_error(403, message + "; the key given is not one", type_="PermissionDeniedError")

@@ -52,7 +52,7 @@ EARLY_EXIT_S, EARLY_EXITS = 10.0, 5
 def worker_index() -> int | None:
     """This process's worker index, or None when it is not a worker of ``supervise``."""
     value = os.environ.get(WORKER_ENV)
-    return int(value) if value is not None and value.isdigit() else None
+    return int(value) if value is not None and value.isascii() and value.isdigit() else None
 
 
 def _die_with_parent() -> None:

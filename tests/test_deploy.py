@@ -221,7 +221,7 @@ def test_the_example_overlay_builds_and_validates():
 
 
 def test_the_endpoint_pickers_manifests_are_wired_to_each_other_and_to_the_vllm_pods():
-    from router.epp import LIVENESS, READINESS
+    from router.epp_server import LIVENESS, READINESS
 
     docs = {(d["kind"], d["metadata"]["name"]): d for _, d in resources(KUBE / "epp")}
     pool = docs[("InferencePool", "vllm")]["spec"]

@@ -364,13 +364,13 @@ def _body(payload: dict):
 async def _picker_exchange(fleet, aiohttp_client, fallbacks: int = 0, **sections):
     from router.app import GATEWAY, create_app
     from router.config import config_from_dict
-    from router.epp import _Exchange
+    from router.epp import Exchange
     from router.tokenizer import ByteTokenizer
 
     servers = await fleet(3)
     data = {"replicas": [str(s.make_url("")).rstrip("/") for s in servers], **sections}
     client = await aiohttp_client(create_app(config_from_dict(data), ByteTokenizer()))
-    return _Exchange(client.server.app[GATEWAY], fallbacks)
+    return Exchange(client.server.app[GATEWAY], fallbacks)
 
 
 async def test_the_picker_asks_the_keys_serve_asks_and_keeps_a_tenants_key_from_the_replica(fleet, aiohttp_client):
@@ -460,3 +460,50 @@ async def test_without_fallbacks_the_header_names_one_endpoint_and_an_unknown_se
     exchange.on_response_headers(request)
     assert exchange.gw.replicas[exchange.decision.replica].inflight == 1 and exchange.route is None
     exchange.abandon()
+
+
+async def test_the_picker_asks_for_the_key_before_any_body_and_bounds_what_it_buffers(fleet, aiohttp_client):
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    auth = {"auth": {"tenants": [{"name": "acme", "keys": ["key-of-acme"]}]}, "limits": {"max_body_bytes": 4096}}
+    routed = {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json"}
+    exchange = await _picker_exchange(fleet, aiohttp_client, **auth)
+    (refused,) = await exchange.on_request_headers(_request_headers(routed))  # a body is to follow
+    assert refused.immediate_response.status.code == 401 and exchange.body == bytearray()
+    keyed = {**routed, "authorization": "Bearer key-of-acme"}
+    exchange = await _picker_exchange(fleet, aiohttp_client, **auth)
+    (refused,) = await exchange.on_request_headers(_request_headers({**keyed, "content-length": "900000000"}))
+    assert refused.immediate_response.status.code == 413
+    exchange = await _picker_exchange(fleet, aiohttp_client, **auth)
+    await exchange.on_request_headers(_request_headers(keyed))  # no declared length: counted as it comes
+    chunk = pb.ProcessingRequest(request_body=pb.HttpBody(body=b" " * 3000, end_of_stream=False))
+    assert (await exchange.on_request_body(chunk))[0].HasField("request_body")
+    (refused,) = await exchange.on_request_body(chunk)
+    assert refused.immediate_response.status.code == 413
+    assert json.loads(refused.immediate_response.body)["error"]["code"] == 413
+    assert len(exchange.body) <= 4096  # nothing past the limit was kept
+
+
+async def test_the_picker_salts_generating_endpoints_and_keeps_stored_responses_to_their_tenant(fleet, aiohttp_client):
+    auth = {"auth": {"tenants": [{"name": "acme", "keys": ["key-of-acme"]}, {"name": "bolt", "keys": ["key-of-bolt"]}]}}
+    exchange = await _picker_exchange(fleet, aiohttp_client, **auth)
+    headers = {":method": "POST", ":path": "/invocations", "authorization": "Bearer key-of-bolt",
+               "content-type": "application/json"}
+    assert await exchange.on_request_headers(_request_headers(headers)) != []  # waits for the body
+    (picked,) = await exchange.on_request_body(_body({"model": "sim", "prompt": "x", "cache_salt": "tenant:acme",
+                                                      "vllm_xargs": {"kv_cache_report_mode": "full"}}))
+    common = picked.request_body.response
+    sent = json.loads(common.body_mutation.body)
+    assert sent["cache_salt"] == "tenant:bolt" and sent["vllm_xargs"] == {}
+    assert "authorization" in common.header_mutation.remove_headers
+    assert _destination(common) in exchange.gw.replicas
+    exchange.gw.response_homes.remember("resp_of_acme", _destination(common), owner="acme")
+    for key, status in (("key-of-bolt", 404), ("key-of-acme", None)):
+        exchange = await _picker_exchange(fleet, aiohttp_client, **auth)
+        exchange.gw.response_homes.remember("resp_of_acme", next(iter(exchange.gw.replicas)), owner="acme")
+        (answer,) = await exchange.on_request_headers(_request_headers(
+            {":method": "GET", ":path": "/v1/responses/resp_of_acme", "authorization": f"Bearer {key}"}, True))
+        if status is None:
+            assert _destination(answer.request_headers.response) == next(iter(exchange.gw.replicas))
+        else:
+            assert answer.immediate_response.status.code == status

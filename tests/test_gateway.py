@@ -303,9 +303,11 @@ async def test_a_restarted_replica_starts_with_an_empty_view_so_its_misses_are_c
     b'\xef\xbb\xbf{"stream": true}',
 ])
 def test_usage_is_requested_from_the_engine_without_changing_anything_else(raw):
-    from router.inbound import parse, patched
+    from router.bodies import parse
+    from router.config import LimitsConfig
+    from router.inbound import patched
 
-    body = parse(raw)
+    body = parse(raw, LimitsConfig())
     options = {**(body.get("stream_options") or {}), "include_usage": True}
     sent = json.loads(patched(raw, body, {"stream_options": options}))
     assert sent["stream_options"]["include_usage"] is True

@@ -12,6 +12,7 @@ import pytest
 from router.app import create_app
 from router.config import ConfigError, config_from_dict
 from router.constants import REPLICA_HEADER
+from router.tenants import MAX_SALT_CHARS, SALT_JOIN
 from router.tokenizer import ByteTokenizer
 
 from .helpers import MODEL, text
@@ -82,7 +83,17 @@ async def test_nested_salts_keep_a_clients_own_partition_inside_its_tenant(aioht
     for tenant, extra in (("acme", {"cache_salt": "team-1"}), ("bolt", {"cache_salt": "tenant:acme"}), ("bolt", {})):
         assert (await _ask(client, tenant, _body(**extra)))[0] == 200
     assert [json.loads(raw)["cache_salt"] for _, _, raw in echo.requests] == \
-        ["tenant:acme/team-1", "tenant:bolt/tenant:acme", "tenant:bolt"]
+        [f"tenant:acme{SALT_JOIN}team-1", f"tenant:bolt{SALT_JOIN}tenant:acme", "tenant:bolt"]
+    # every salt sent is one vLLM 0.32 takes (validate_cache_salt: at most 128 characters, no
+    # '@', '/', '\\' or NUL); a client salt that would break that rule is the gateway's 400
+    for _, _, raw in echo.requests:
+        salt = json.loads(raw)["cache_salt"]
+        assert len(salt) <= MAX_SALT_CHARS and not set(salt) & set("@/\\\x00")
+    sent = len(echo.requests)
+    for bad in ("team/1", "x" * 200, "", 7):
+        status, body, _ = await _ask(client, "acme", _body(cache_salt=bad))
+        assert status == 400 and body["error"]["param"] == "cache_salt", (bad, body)
+    assert len(echo.requests) == sent
 
 
 async def test_tenants_reuse_their_own_prefixes_and_never_each_others(fleet, tenant_gateway):

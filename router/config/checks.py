@@ -72,7 +72,7 @@ def _zmq_tcp(value: str) -> str:
     if not value.startswith("tcp://"):
         raise Reject(expected)
     host, _, port = value[len("tcp://"):].rpartition(":")
-    if not host or host in ("*", "0.0.0.0") or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or host in ("*", "0.0.0.0") or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise Reject(expected)
     return value
 
@@ -128,9 +128,21 @@ def _tenant_name(value: str) -> str:
 
 
 def _salt(value: str) -> str:
-    if not value or "/" in value:
-        raise Reject("a non-empty salt without '/' (nested client salts follow a '/')")
+    """What vLLM 0.32 takes as a ``cache_salt`` (``validate_cache_salt`` in
+    ``vllm/entrypoints/generate/base/protocol.py``: 1-128 characters, none of '@', '/', '\\',
+    NUL), without '|', which joins a nested client salt to the tenant's (``tenants.SALT_JOIN``)."""
+    if not value or len(value) > 64 or any(c in "@/\\\x00|" for c in value):
+        raise Reject("a salt of 1-64 characters without '@', '/', '\\', '|' or NUL (vLLM refuses the first four; "
+                     "'|' joins a nested client salt)")
     return value
+
+
+def _paths(values: tuple[str, ...]) -> tuple[str, ...]:
+    """URL paths: each starts with '/' and holds no query, fragment or space."""
+    for i, value in enumerate(values):
+        if not value.startswith("/") or any(c in value for c in "?# ") or len(value) > 200:
+            raise Reject("paths such as /v1/new_endpoint (a leading '/', no query)", index=i)
+    return values
 
 
 def _secrets(values: tuple[str, ...]) -> tuple[str, ...]:
@@ -202,6 +214,9 @@ CHECKS: dict[tuple[type, str], _Check] = {
     (ChangesConfig, "snippet_chars"): _bounded(16, 4096),
     (LimitsConfig, "client_write_timeout_s"): _TIME,
     (LimitsConfig, "inline_analysis_bytes"): _bounded(0),
+    (LimitsConfig, "max_json_elements"): _POSITIVE,
+    (LimitsConfig, "body_timeout_s"): _TIME,
+    (AuthConfig, "tenant_paths"): _paths,
     (ReplicaConfig, "kv_events"): _zmq_tcp,
     (ReplicaConfig, "kv_events_replay"): _zmq_tcp,
     (KvEventsConfig, "port"): _bounded(1, 65535),

@@ -164,7 +164,8 @@ def _check_unique_replicas(config: GatewayConfig) -> None:
 
 
 def _check_keys(auth: AuthConfig) -> None:
-    """Tenant names unique; every key acts for one tenant or for admins, never both."""
+    """Tenant names unique; every key acts for one tenant or for admins, never both; no two
+    tenants with one effective cache salt."""
     owner: dict[str, str] = {}
     names: set[str] = set()
     for i, tenant in enumerate(auth.tenants):
@@ -180,6 +181,13 @@ def _check_keys(auth: AuthConfig) -> None:
     for key in auth.admin_keys:
         if key in owner:
             raise ConfigError(f"auth.admin_keys: a key is also one of tenant {owner[key]}; give admins their own")
+    salts: dict[str, str] = {}
+    for i, tenant in enumerate(auth.tenants):
+        salt = tenant.salt
+        if salt in salts:
+            raise ConfigError(f"auth.tenants[{i}].cache_salt: tenant {tenant.name!r} would get the cache salt "
+                              f"{salt!r} of tenant {salts[salt]!r}, and the two would share one KV cache")
+        salts[salt] = tenant.name
 
 
 def config_from_dict(data: Mapping[str, Any]) -> GatewayConfig:

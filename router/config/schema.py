@@ -268,6 +268,14 @@ class LimitsConfig:
     # a sixth of the CPU of a 1k-token chat, measured with py-spy). Measured on one core: a
     # warm 1k-token chat analyses in 0.5 ms, 8k in 1.3 ms; a cold 4k-token prompt in about 9 ms
     inline_analysis_bytes: int = 16 * 1024
+    # JSON values a body may hold (an upper bound counted before parsing: commas, brackets and
+    # braces outside strings), so a body's parsed size stays within a small multiple of its
+    # bytes: 30 MB of "[]," parse to ~1 GB of empty lists. 1,000,000 holds a 1M-token prompt
+    # sent as token ids; its worst case parses to ~70 MB in ~0.2 s (bench/results/hostile-bodies.md)
+    max_json_elements: int = 1_000_000
+    # a request whose body has not fully arrived this long after its headers gets 408, so slow
+    # clients cannot hold connections and buffers open for ever
+    body_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -296,6 +304,11 @@ class TenantConfig:
     # through the gateway
     cache_salt: str | None = None
 
+    @property
+    def salt(self) -> str:
+        """The cache_salt its requests go upstream with: ``cache_salt``, else ``tenant:<name>``."""
+        return self.cache_salt or f"tenant:{self.name}"
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AuthConfig:
@@ -311,6 +324,11 @@ class AuthConfig:
     # the key sent to replicas (vllm serve --api-key) in place of the client's; tenant keys are
     # never forwarded. None: no Authorization header upstream
     upstream_api_key: str | None = None
+    # POST paths the gateway does not know (an endpoint of a later vLLM, a plugin's) that
+    # tenants may call: forwarded to one replica with the tenant's cache_salt set in a JSON
+    # body, as /invocations is. Under tenants any other unknown path is refused (403), since
+    # the gateway cannot tell whether the engine generates from its body
+    tenant_paths: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

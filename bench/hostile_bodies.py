@@ -1,0 +1,129 @@
+"""What hostile bodies cost a gateway: its peak memory, its answer and how long ``/health`` waits.
+
+For each source tree (``--tree``: this clone, or a ``git worktree`` of another commit), a gateway
+(``prefix-router serve``, no tokenizer) in front of one simulated replica gets, one at a time:
+
+- 30 MB amplification bodies (a chat whose extra key holds ``[]``, ``{}``, ``"ab"`` or
+  ``123456`` repeated): each parses to many times its bytes;
+- bodies just under ``limits.max_json_elements`` of the same shapes (the most a body may hold).
+
+to a routed path (``/v1/chat/completions``) and a passthrough one (``/invocations``), while a
+thread asks ``/health`` every 20 ms. Reported per body: the status, the seconds to answer, the
+growth of the gateway's peak resident memory (``VmHWM`` from /proc, so each row is what that
+body added to the worst so far: bodies run from the smallest expected cost up), and the slowest
+``/health``.
+
+    python -m bench.hostile_bodies --tree . [--tree ../before] [--out bench/results/hostile-bodies.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from bench.fleet import commit_of, write_report
+from router.config import LimitsConfig
+from router.tools.launch import gateway_server, running, sim_server
+
+MODEL = "sim"
+SHAPES = {"lists": b"[],", "objects": b"{},", "strings": b'"ab",', "numbers": b"123456,"}
+PATHS = ("/v1/chat/completions", "/invocations")
+
+
+def body(shape: str, *, size: int | None = None, elements: int | None = None) -> bytes:
+    """A chat body of ``size`` bytes, or holding ``elements`` values, of ``shape``."""
+    head = b'{"model":"' + MODEL.encode() + b'","max_tokens":1,"messages":[{"role":"user","content":"hi"}],"x":['
+    unit = SHAPES[shape]
+    count = (size - len(head)) // len(unit) if size is not None else elements - 10
+    return head + unit * count + b"0]}"
+
+
+def peak_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def post(url: str, data: bytes) -> int:
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            resp.read()
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, ConnectionError):
+        return 0
+
+
+class HealthWatch(threading.Thread):
+    """``/health`` every 20 ms; ``worst()`` gives and resets the slowest answer (s)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.slowest, self.done = url, 0.0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            started = time.perf_counter()
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=60).read()
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            self.slowest = max(self.slowest, time.perf_counter() - started)
+            time.sleep(0.02)
+
+    def worst(self) -> float:
+        worst, self.slowest = self.slowest, 0.0
+        return worst
+
+
+def measure(tree: Path, log_dir: Path) -> list[str]:
+    """The table rows of one tree's gateway."""
+    cap = LimitsConfig().max_json_elements
+    cases = [(f"{shape}, {cap // 1000}k values", body(shape, elements=cap)) for shape in SHAPES]
+    cases += [(f"{shape}, 30 MB", body(shape, size=30_000_000)) for shape in SHAPES]
+    rows = []
+    with running([sim_server(log_dir, ["--model", MODEL, "--time-scale", "1000"])]) as (replica,):
+        gateway = dataclasses.replace(gateway_server(log_dir, [replica]), cwd=tree)
+        with running([gateway]) as (url,):
+            post(url + PATHS[0], body("lists", elements=100))
+            watch = HealthWatch(url)
+            watch.start()
+            for name, data in cases:
+                for path in PATHS:
+                    before, started = peak_mb(gateway.pid), time.perf_counter()
+                    status = post(url + path, data)
+                    elapsed = time.perf_counter() - started
+                    time.sleep(0.1)
+                    rows.append(f"| {commit_of(tree)} | {name} ({len(data) / 1e6:.1f} MB) | {path} | {status} | "
+                                f"{elapsed:.2f} | {peak_mb(gateway.pid) - before:+.0f} | {watch.worst() * 1000:.0f} |")
+            watch.done.set()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tree", type=Path, action="append", help="a source tree (default: this clone)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/hostile-bodies.md"))
+    args = parser.parse_args()
+    trees = args.tree or [Path(".")]
+    lines = [__doc__.split("\n\n")[0].replace("\n", " "), "",
+             "| tree | body | path | status | s to answer | peak RSS growth MB | slowest /health ms |",
+             "|---|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as logs:
+        for tree in trees:
+            lines += measure(tree.resolve(), Path(logs))
+    lines += ["", "Command: `python -m bench.hostile_bodies " + " ".join(f"--tree {t}" for t in trees) + "`"]
+    write_report(args.out, lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""What a hostile client's body costs the gateway: bounded memory, a loop that keeps answering,
+and a deadline for bodies that never finish arriving.
+
+The amplification bodies are sent to a real gateway process (``prefix-router serve`` in front of
+a simulated replica) whose peak resident memory (``VmHWM``) is read from /proc before and after,
+while a thread asks ``/health`` every 20 ms and keeps the slowest answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from router.app import create_app
+from router.config import config_from_dict
+from router.tools.launch import gateway_server, running, sim_server
+from router.tokenizer import ByteTokenizer
+
+from .helpers import MODEL
+
+MB = 1_000_000
+
+
+def _peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def _amplifying(kind: str, size: int) -> bytes:
+    """A chat body of about ``size`` bytes that parses to many times its size."""
+    head = b'{"model":"' + MODEL.encode() + b'","messages":[{"role":"user","content":"hi"}],"x":['
+    unit = {"lists": b"[],", "objects": b"{},", "strings": b'"ab",', "numbers": b"123456,"}[kind]
+    return head + unit * ((size - len(head)) // len(unit)) + b"0]}"
+
+
+class _HealthWatch(threading.Thread):
+    """Asks ``/health`` every 20 ms; ``slowest``: the longest answer in seconds."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.slowest, self.stop = url, 0.0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            started = time.perf_counter()
+            urllib.request.urlopen(self.url + "/health", timeout=30).read()
+            self.slowest = max(self.slowest, time.perf_counter() - started)
+            time.sleep(0.02)
+
+
+def _post(url: str, data: bytes) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_amplification_bodies_cost_neither_memory_nor_the_loop(tmp_path):
+    with running([sim_server(tmp_path, ["--model", MODEL, "--time-scale", "1000"])]) as (replica,):
+        gateway = gateway_server(tmp_path, [replica])
+        with running([gateway]) as (url,):
+            assert _post(url + "/v1/chat/completions", _amplifying("lists", 1000))[0] == 200  # warm
+            before = _peak_rss_mb(gateway.pid)
+            watch = _HealthWatch(url)
+            watch.start()
+            try:
+                for kind in ("lists", "objects", "strings", "numbers"):
+                    body = _amplifying(kind, 30 * MB)
+                    for path in ("/v1/chat/completions", "/invocations", "/tokenize"):
+                        status, answer = _post(url + path, body)
+                        assert status == 413 and b"max_json_elements" in answer, (kind, path, status, answer[:200])
+            finally:
+                watch.stop.set()
+                watch.join()
+            grown = _peak_rss_mb(gateway.pid) - before
+    assert grown <= 200, f"the gateway's peak memory grew {grown:.0f} MB"
+    assert watch.slowest <= 0.2, f"/health took {watch.slowest * 1000:.0f} ms"
+
+
+async def test_a_body_sent_a_byte_at_a_time_gets_408_by_the_deadline(aiohttp_server, fleet):
+    (sim,) = await fleet(1)
+    config = config_from_dict({"replicas": [str(sim.make_url("")).rstrip("/")], "limits": {"body_timeout_s": 1.0}})
+    assert config_from_dict({}).limits.body_timeout_s == 30.0  # the default the README gives
+    server = await aiohttp_server(create_app(config, ByteTokenizer()))
+    for path in ("/v1/chat/completions", "/tokenize"):
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: 1000\r\n\r\n".encode())
+        started = time.monotonic()
+
+        async def trickle():
+            for _ in range(100):
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.sleep(0.2)
+
+        sender = asyncio.create_task(trickle())
+        try:
+            status_line = await asyncio.wait_for(reader.readline(), 10)
+            waited = time.monotonic() - started
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        finally:
+            sender.cancel()
+            writer.close()
+        assert status_line.startswith(b"HTTP/1.1 408"), status_line
+        assert b"application/json" in head.lower()
+        assert 1.0 <= waited < 3.0, waited
+
+
+@pytest.mark.parametrize("top", ["\u00b2", "\u0661", "-1", "0"])
+async def test_the_change_view_refuses_a_count_that_is_not_ascii_digits_as_json(aiohttp_client, fleet, top):
+    (sim,) = await fleet(1)
+    client = await aiohttp_client(create_app(config_from_dict({"replicas": [str(sim.make_url("")).rstrip("/")]}),
+                                             ByteTokenizer()))
+    resp = await client.get("/debug/changes", params={"top": top})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "top"
+
+
+
+@pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+                                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"])
+async def test_requests_the_http_parser_refuses_get_an_openai_error(aiohttp_server, raw):
+    server = await aiohttp_server(create_app(config_from_dict({}), ByteTokenizer()))
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    writer.write(raw)
+    answer = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 400") and b"application/json" in head
+    error = json.loads(body)["error"]
+    assert error["code"] == 400 and error["type"] == "BadRequestError" and error["message"]
