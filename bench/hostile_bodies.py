@@ -8,10 +8,10 @@ For each source tree (``--tree``: this clone, or a ``git worktree`` of another c
 - bodies just under ``limits.max_json_elements`` of the same shapes (the most a body may hold).
 
 to a routed path (``/v1/chat/completions``) and a passthrough one (``/invocations``), while a
-thread asks ``/health`` every 20 ms. Reported per body: the status, the seconds to answer, the
-growth of the gateway's peak resident memory (``VmHWM`` from /proc, so each row is what that
-body added to the worst so far: bodies run from the smallest expected cost up), and the slowest
-``/health``.
+thread asks ``/health`` every 20 ms and another reads the gateway's resident memory (``VmRSS``
+from /proc) every 5 ms. Reported per body: the status, the seconds to answer, the most the
+resident memory rose above what it was just before the body was sent, and the slowest
+``/health`` while it was handled.
 
     python -m bench.hostile_bodies --tree . [--tree ../before] [--out bench/results/hostile-bodies.md]
 """
@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.fleet import commit_of, write_report
+from router.bodies import elements_bound
 from router.config import LimitsConfig
 from router.tools.launch import gateway_server, running, sim_server
 
@@ -36,19 +37,40 @@ SHAPES = {"lists": b"[],", "objects": b"{},", "strings": b'"ab",', "numbers": b"
 PATHS = ("/v1/chat/completions", "/invocations")
 
 
-def body(shape: str, *, size: int | None = None, elements: int | None = None) -> bytes:
-    """A chat body of ``size`` bytes, or holding ``elements`` values, of ``shape``."""
+def body(shape: str, *, size: int | None = None, bound: int | None = None) -> bytes:
+    """A chat body of ``size`` bytes of ``shape``, or the largest whose ``elements_bound`` is at
+    most ``bound`` (the most ``limits.max_json_elements`` = ``bound`` lets through)."""
     head = b'{"model":"' + MODEL.encode() + b'","max_tokens":1,"messages":[{"role":"user","content":"hi"}],"x":['
     unit = SHAPES[shape]
-    count = (size - len(head)) // len(unit) if size is not None else elements - 10
+    if size is not None:
+        count = (size - len(head)) // len(unit)
+    else:
+        count = (bound - elements_bound(head + b"0]}")) // (elements_bound(unit) - 1)
     return head + unit * count + b"0]}"
 
 
-def peak_mb(pid: int) -> float:
+def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+class RssWatch(threading.Thread):
+    """The resident memory of ``pid`` every 5 ms; ``peak()`` gives and resets the highest (MB)."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.highest, self.done = pid, 0.0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.highest = max(self.highest, rss_mb(self.pid))
+            time.sleep(0.005)
+
+    def peak(self) -> float:
+        highest, self.highest = self.highest, 0.0
+        return highest
 
 
 def post(url: str, data: bytes) -> int:
@@ -88,24 +110,28 @@ class HealthWatch(threading.Thread):
 def measure(tree: Path, log_dir: Path) -> list[str]:
     """The table rows of one tree's gateway."""
     cap = LimitsConfig().max_json_elements
-    cases = [(f"{shape}, {cap // 1000}k values", body(shape, elements=cap)) for shape in SHAPES]
+    cases = [(f"{shape}, at the {cap // 1000}k bound", body(shape, bound=cap)) for shape in SHAPES]
     cases += [(f"{shape}, 30 MB", body(shape, size=30_000_000)) for shape in SHAPES]
     rows = []
     with running([sim_server(log_dir, ["--model", MODEL, "--time-scale", "1000"])]) as (replica,):
         gateway = dataclasses.replace(gateway_server(log_dir, [replica]), cwd=tree)
         with running([gateway]) as (url,):
-            post(url + PATHS[0], body("lists", elements=100))
-            watch = HealthWatch(url)
+            post(url + PATHS[0], body("lists", bound=100))
+            watch, memory = HealthWatch(url), RssWatch(gateway.pid)
             watch.start()
+            memory.start()
             for name, data in cases:
                 for path in PATHS:
-                    before, started = peak_mb(gateway.pid), time.perf_counter()
+                    time.sleep(0.2)
+                    before, started = rss_mb(gateway.pid), time.perf_counter()
+                    memory.peak(), watch.worst()
                     status = post(url + path, data)
                     elapsed = time.perf_counter() - started
                     time.sleep(0.1)
                     rows.append(f"| {commit_of(tree)} | {name} ({len(data) / 1e6:.1f} MB) | {path} | {status} | "
-                                f"{elapsed:.2f} | {peak_mb(gateway.pid) - before:+.0f} | {watch.worst() * 1000:.0f} |")
+                                f"{elapsed:.2f} | {memory.peak() - before:+.0f} | {watch.worst() * 1000:.0f} |")
             watch.done.set()
+            memory.done.set()
     return rows
 
 
@@ -116,7 +142,7 @@ def main() -> None:
     args = parser.parse_args()
     trees = args.tree or [Path(".")]
     lines = [__doc__.split("\n\n")[0].replace("\n", " "), "",
-             "| tree | body | path | status | s to answer | peak RSS growth MB | slowest /health ms |",
+             "| tree | body | path | status | s to answer | RSS rise MB | slowest /health ms |",
              "|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as logs:
         for tree in trees:

@@ -268,10 +268,11 @@ class LimitsConfig:
     # a sixth of the CPU of a 1k-token chat, measured with py-spy). Measured on one core: a
     # warm 1k-token chat analyses in 0.5 ms, 8k in 1.3 ms; a cold 4k-token prompt in about 9 ms
     inline_analysis_bytes: int = 16 * 1024
-    # JSON values a body may hold (an upper bound counted before parsing: commas, brackets and
-    # braces outside strings), so a body's parsed size stays within a small multiple of its
-    # bytes: 30 MB of "[]," parse to ~1 GB of empty lists. 1,000,000 holds a 1M-token prompt
-    # sent as token ids; its worst case parses to ~70 MB in ~0.2 s (bench/results/hostile-bodies.md)
+    # JSON values a body may hold (an upper bound counted before parsing: its commas, brackets
+    # and braces, those in strings too), so a body's parsed size stays within a small multiple
+    # of its bytes: 30 MB of "[]," parse to ~1 GB of empty lists. 1,000,000 holds a 1M-token prompt
+    # sent as token ids; bodies at the bound parse to at most ~80 MB in ~0.2 s
+    # (bench/results/hostile-bodies.md)
     max_json_elements: int = 1_000_000
     # a request whose body has not fully arrived this long after its headers gets 408, so slow
     # clients cannot hold connections and buffers open for ever
