@@ -3,14 +3,14 @@ and a deadline for bodies that never finish arriving.
 
 The amplification bodies are sent to a real gateway process (``prefix-router serve`` in front of
 a simulated replica) whose peak resident memory (``VmHWM``) is read from /proc before and after,
-while a thread asks ``/health`` every 20 ms and keeps the slowest answer.
+while a thread asks ``/health`` every 20 ms and keeps the slowest answer (the bodies and the
+watch are ``bench/hostile_bodies.py``'s, which measures the same against another commit).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.hostile_bodies import SHAPES, HealthWatch
+from bench.hostile_bodies import body as amplifying
 from router.app import create_app
 from router.config import config_from_dict
 from router.tools.launch import gateway_server, running, sim_server
@@ -35,28 +37,6 @@ def _peak_rss_mb(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
-def _amplifying(kind: str, size: int) -> bytes:
-    """A chat body of about ``size`` bytes that parses to many times its size."""
-    head = b'{"model":"' + MODEL.encode() + b'","messages":[{"role":"user","content":"hi"}],"x":['
-    unit = {"lists": b"[],", "objects": b"{},", "strings": b'"ab",', "numbers": b"123456,"}[kind]
-    return head + unit * ((size - len(head)) // len(unit)) + b"0]}"
-
-
-class _HealthWatch(threading.Thread):
-    """Asks ``/health`` every 20 ms; ``slowest``: the longest answer in seconds."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url, self.slowest, self.stop = url, 0.0, threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            started = time.perf_counter()
-            urllib.request.urlopen(self.url + "/health", timeout=30).read()
-            self.slowest = max(self.slowest, time.perf_counter() - started)
-            time.sleep(0.02)
-
-
 def _post(url: str, data: bytes) -> tuple[int, bytes]:
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
@@ -70,22 +50,22 @@ def test_amplification_bodies_cost_neither_memory_nor_the_loop(tmp_path):
     with running([sim_server(tmp_path, ["--model", MODEL, "--time-scale", "1000"])]) as (replica,):
         gateway = gateway_server(tmp_path, [replica])
         with running([gateway]) as (url,):
-            assert _post(url + "/v1/chat/completions", _amplifying("lists", 1000))[0] == 200  # warm
+            assert _post(url + "/v1/chat/completions", amplifying("lists", size=1000))[0] == 200  # warm
             before = _peak_rss_mb(gateway.pid)
-            watch = _HealthWatch(url)
+            watch = HealthWatch(url)
             watch.start()
             try:
-                for kind in ("lists", "objects", "strings", "numbers"):
-                    body = _amplifying(kind, 30 * MB)
+                for kind in SHAPES:
+                    body = amplifying(kind, size=30 * MB)
                     for path in ("/v1/chat/completions", "/invocations", "/tokenize"):
                         status, answer = _post(url + path, body)
                         assert status == 413 and b"max_json_elements" in answer, (kind, path, status, answer[:200])
             finally:
-                watch.stop.set()
+                watch.done.set()
                 watch.join()
             grown = _peak_rss_mb(gateway.pid) - before
     assert grown <= 200, f"the gateway's peak memory grew {grown:.0f} MB"
-    assert watch.slowest <= 0.2, f"/health took {watch.slowest * 1000:.0f} ms"
+    assert watch.slowest <= 0.2, f"/health took {watch.slowest * 1000:.0f} ms"  # worst() not called: all-time
 
 
 async def test_a_body_sent_a_byte_at_a_time_gets_408_by_the_deadline(aiohttp_server, fleet):
