@@ -5,7 +5,9 @@ For each source tree (``--tree``: this clone, or a ``git worktree`` of another c
 
 - 30 MB amplification bodies (a chat whose extra key holds ``[]``, ``{}``, ``"ab"`` or
   ``123456`` repeated): each parses to many times its bytes;
-- bodies just under ``limits.max_json_elements`` of the same shapes (the most a body may hold).
+- bodies just under ``limits.max_json_elements`` of the same shapes (the most a body may hold);
+- 30 MB of prompt text in one message: a word, numbers (which the change classifier masks), and
+  JSON escapes (which it parses as JSON).
 
 to a routed path (``/v1/chat/completions``) and a passthrough one (``/invocations``), while a
 thread asks ``/health`` every 20 ms and another reads the gateway's resident memory (``VmRSS``
@@ -35,6 +37,10 @@ from router.tools.launch import gateway_server, running, sim_server
 MODEL = "sim"
 SHAPES = {"lists": b"[],", "objects": b"{},", "strings": b'"ab",', "numbers": b"123456,"}
 PATHS = ("/v1/chat/completions", "/invocations")
+# (name, opening, unit, closing) of one message's text: a long word, numbers the change classifier
+# masks, and a JSON array written in escapes (the body's bound counts none of it), which it parses
+TEXTS = (("a word", b"", b"ab", b""), ("numbers", b"", b"1.a", b""),
+         ("escaped JSON", b"\\u005b", b"\\u007b\\u0022a\\u0022:1\\u007d\\u002c", b"1\\u005d"))
 
 
 def body(shape: str, *, size: int | None = None, bound: int | None = None) -> bytes:
@@ -47,6 +53,14 @@ def body(shape: str, *, size: int | None = None, bound: int | None = None) -> by
     else:
         count = (bound - elements_bound(head + b"0]}")) // (elements_bound(unit) - 1)
     return head + unit * count + b"0]}"
+
+
+def text_body(opening: bytes, unit: bytes, closing: bytes, size: int) -> bytes:
+    """A chat of one user message: ``unit`` repeated between ``opening`` and ``closing`` to
+    ``size`` bytes (a prompt vLLM would refuse as too long, but the gateway reads it first)."""
+    head = b'{"model":"' + MODEL.encode() + b'","max_tokens":1,"messages":[{"role":"user","content":"' + opening
+    tail = closing + b'"}]}'
+    return head + unit * ((size - len(head) - len(tail)) // len(unit)) + tail
 
 
 def rss_mb(pid: int) -> float:
@@ -112,6 +126,7 @@ def measure(tree: Path, log_dir: Path) -> list[str]:
     cap = LimitsConfig().max_json_elements
     cases = [(f"{shape}, at the {cap // 1000}k bound", body(shape, bound=cap)) for shape in SHAPES]
     cases += [(f"{shape}, 30 MB", body(shape, size=30_000_000)) for shape in SHAPES]
+    cases += [(f"text: {name}, 30 MB", text_body(*parts, 30_000_000)) for name, *parts in TEXTS]
     rows = []
     with running([sim_server(log_dir, ["--model", MODEL, "--time-scale", "1000"])]) as (replica,):
         gateway = dataclasses.replace(gateway_server(log_dir, [replica]), cwd=tree)

@@ -115,7 +115,9 @@ def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None, 
     operator's endpoints only (``/health``, ``/ready``, ``/metrics``, ``/replicas``,
     ``/debug/changes``), for the Endpoint Picker, whose HTTP port must be no way around the
     gateway in front of it."""
-    app = web.Application(client_max_size=config.limits.max_body_bytes, middlewares=[_openai_errors])
+    # bodies as they came: bodies.read_body inflates gzip and deflate itself, within the limit
+    app = web.Application(client_max_size=config.limits.max_body_bytes, middlewares=[_openai_errors],
+                          handler_args={"auto_decompress": False})
     _json_framing_errors(app)
     app[GATEWAY] = Gateway(config, tokenizer)
     app.cleanup_ctx.append(_lifecycle)
@@ -216,7 +218,7 @@ async def _models(request: web.Request) -> web.Response:
 
     async def one(replica) -> tuple[int, list]:
         try:
-            async with gw.http.get(replica.url + "/v1/models") as resp:
+            async with gw.http.get(replica.url + "/v1/models", allow_redirects=False) as resp:
                 data = (await resp.json(loads=loads)).get("data") if resp.status == 200 else None
                 return resp.status, data if isinstance(data, list) else []
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):

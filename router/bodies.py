@@ -4,7 +4,10 @@ A body costs the gateway more than its bytes once it is parsed: 30 MB of ``[],``
 million empty lists, about 1 GB, and hold the event loop for seconds (JSON parsers hold the GIL,
 so a thread does not help). So every body is bounded three ways before it is materialised:
 
-- bytes: ``limits.max_body_bytes``, by Content-Length and while reading (413);
+- bytes: ``limits.max_body_bytes``, by Content-Length and while reading (413), and again after
+  a gzip or deflate body is inflated (``inflate``: the application reads bodies as they came,
+  ``create_app`` turns aiohttp's own decompression off, which inflated a 200 KB gzip bomb to
+  ~250 MB before any check);
 - time: ``limits.body_timeout_s`` from the headers to the body's last byte (408), so a client
   sending one byte every few seconds cannot hold a connection and its buffer open for ever;
 - shape: ``limits.max_json_elements``, an upper bound on the values a body holds, counted
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import zlib
 from typing import Any
 
 import aiohttp
@@ -30,19 +34,29 @@ from aiohttp import web
 from .config import LimitsConfig
 from .errors import openai_error
 
-__all__ = ["Head", "elements_bound", "head_of", "loads", "parse", "read_body", "shape_refusal"]
+__all__ = ["Head", "elements_bound", "head_of", "inflate", "loads", "parse", "read_body", "shape_refusal"]
+
+# Content-Encoding: zlib's window bits (gzip's header; zlib's, else raw deflate, as aiohttp reads it)
+_WBITS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,), "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
 
 
 async def read_body(request: web.Request, limits: LimitsConfig) -> bytes | web.Response:
     """The whole body, or the error to answer: 413 past ``max_body_bytes`` (by Content-Length
     before reading, else while reading: aiohttp's ``client_max_size``), 408 when it has not
     arrived ``body_timeout_s`` after the headers, 400 when it cannot be read (a broken
-    Content-Encoding). A 408 or 413 closes the connection: the rest of the body is not read."""
+    Content-Encoding), 415 for an encoding other than gzip or deflate. A gzip or deflate body
+    comes back inflated (``inflate``). A 408 or 413 closes the connection: the rest of the body
+    is not read."""
     limit = limits.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         return _closing(openai_error(413, f"request body of {request.content_length} bytes exceeds the limit of {limit}"))
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in _WBITS and encoding not in ("identity", ""):
+        return openai_error(415, f"Content-Encoding {encoding[:40]!r} is not read here (gzip, deflate or none)",
+                            type_="UnsupportedMediaTypeError")
     try:
-        return await asyncio.wait_for(request.read(), limits.body_timeout_s)
+        raw = await asyncio.wait_for(request.read(), limits.body_timeout_s)
+        return inflate(raw, encoding, limit) if encoding in _WBITS else raw
     except asyncio.TimeoutError:
         return _closing(openai_error(408, f"the request body did not arrive within {limits.body_timeout_s:g} s",
                                      type_="RequestTimeoutError"))
@@ -51,6 +65,28 @@ async def read_body(request: web.Request, limits: LimitsConfig) -> bytes | web.R
     except (web.RequestPayloadError, aiohttp.http_exceptions.HttpProcessingError) as exc:
         # e.g. Content-Encoding: gzip on a body that is not gzip
         return openai_error(400, f"request body could not be read ({type(exc).__name__})", "body")
+
+
+def inflate(raw: bytes, encoding: str, limit: int) -> bytes | web.Response:
+    """``raw`` decompressed (``encoding``: gzip or deflate; gzip members one after another, as
+    RFC 1952 allows), never past ``limit`` bytes: the 413 past it, the 400 for data that is not
+    what the encoding says."""
+    for wbits in _WBITS[encoding]:
+        out, rest = bytearray(), raw
+        try:
+            while rest:
+                inflater = zlib.decompressobj(wbits)
+                out += inflater.decompress(rest, limit + 1 - len(out))
+                if len(out) > limit or inflater.unconsumed_tail:
+                    return _closing(openai_error(413, f"request body exceeds the limit of {limit} bytes once "
+                                                      f"decompressed ({encoding})"))
+                if not inflater.eof:
+                    raise zlib.error("truncated")
+                rest = inflater.unused_data
+            return bytes(out)
+        except zlib.error:
+            continue
+    return openai_error(400, f"request body could not be read (not {encoding} data)", "body")
 
 
 def _closing(response: web.Response) -> web.Response:
@@ -118,6 +154,7 @@ class Head(msgspec.Struct):
     cache_salt: Any = msgspec.UNSET
     previous_response_id: Any = msgspec.UNSET
     vllm_xargs: Any = msgspec.UNSET
+    request_id: Any = msgspec.UNSET
 
     def get(self, key: str) -> Any:
         """The value of ``key``, None when absent (as ``dict.get``)."""

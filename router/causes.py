@@ -68,6 +68,12 @@ VOLATILE_SPANS = (
     r"|\b(?=[0-9a-fA-F]*\d)(?=[0-9a-fA-F]*[a-fA-F])[0-9a-fA-F]{12,}\b"  # long hex id with digits and letters
     r"|\d+(?:\.\d+)?")  # counters, epoch seconds, any number
 VOLATILE = re.compile(r"(?=[\da-fA-F])(?:" + VOLATILE_SPANS + ")")
+# Characters of new message text one request's fingerprint masks and parses as JSON: the
+# regular expression and the parser hold the GIL (about 0.15 s a MB of text), so one hostile
+# message of 30 MB would hold the event loop for seconds and build ~1 GB of pieces. Text past
+# it is hashed as it is: a change there reads as a rewrite, not as a volatile value or a
+# reordering. Real turns add far less (an agent's tool output is tens of KB).
+PRINT_BUDGET_CHARS = 256 * 1024
 
 
 def _hash(text: str) -> int:
@@ -154,19 +160,27 @@ def _canonical_calls(calls) -> str:
     return json.dumps(out, sort_keys=True, default=str)
 
 
-def _masked_and_canonical(role: str, message) -> tuple[int, int]:
+def _masked_and_canonical(role: str, message, budget: int) -> tuple[int, int, int]:
+    """(masked hash, canonical hash, characters of ``budget`` spent). A message longer than
+    ``budget`` characters is hashed as it is for both (``PRINT_BUDGET_CHARS``)."""
     if not isinstance(message, dict):
         text = _text(message)
-        return _hash(role + "\x00" + VOLATILE.sub("#", text)), _hash(role + "\x00" + (_canonical(text) or text))
+        if len(text) > budget:
+            h = _hash(role + "\x00" + text)
+            return h, h, 0
+        return _hash(role + "\x00" + VOLATILE.sub("#", text)), _hash(role + "\x00" + (_canonical(text) or text)), len(text)
     content = message.get("content")
     if isinstance(content, list) and content and all(isinstance(t, int) for t in content[:8]):
         h = digest(message)  # a token-id prompt: no text to mask
-        return h, h
+        return h, h, 0
     content = _text(content)
     calls = message.get("tool_calls")
     raw = content + ("\x00" + _text(calls) if calls else "")
+    if len(raw) > budget:
+        h = _hash(role + "\x00" + raw)
+        return h, h, 0
     canonical = (_canonical(content) or content) + ("\x00" + _canonical_calls(calls) if calls else "")
-    return _hash(role + "\x00" + VOLATILE.sub("#", raw)), _hash(role + "\x00" + canonical)
+    return _hash(role + "\x00" + VOLATILE.sub("#", raw)), _hash(role + "\x00" + canonical), len(raw)
 
 
 def fingerprint(body: dict, previous: RequestPrint | None = None,
@@ -177,7 +191,8 @@ def fingerprint(body: dict, previous: RequestPrint | None = None,
     reuse its masked and canonical hashes, and an unchanged tool list its tool hashes, so a turn
     costs the regular-expression and JSON work of what is new only. ``digests``: the request's
     ``digest`` of its tool list then of each message, when the caller has them
-    (``prompts.PromptInfo.message_hashes``).
+    (``prompts.PromptInfo.message_hashes``). New messages are masked and parsed up to
+    ``PRINT_BUDGET_CHARS`` in all; later ones are hashed as they are.
     """
     tools = body.get("tools") if isinstance(body.get("tools"), list) else []
     messages = body.get("messages")
@@ -194,9 +209,14 @@ def fingerprint(body: dict, previous: RequestPrint | None = None,
     known = {} if previous is None else {
         h: (m, c) for h, m, c in zip(previous.raw, previous.masked, previous.canonical)}
     roles, raw, masked, canonical = [], array("Q"), array("Q"), array("Q")
+    budget = PRINT_BUDGET_CHARS
     for message, h in zip(messages, digests[1:]):
         role = sys.intern(str(message.get("role"))[:32] if isinstance(message, dict) else "?")
-        m, c = known.get(h) or _masked_and_canonical(role, message)
+        if h in known:
+            m, c = known[h]
+        else:
+            m, c, spent = _masked_and_canonical(role, message, budget)
+            budget -= spent
         roles.append(role)
         raw.append(h)
         masked.append(m)

@@ -71,14 +71,21 @@ _READS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 def stored_id(path: str) -> str | None:
-    """The response id of ``/v1/responses/{id}`` or ``.../{id}/cancel``, else None."""
-    match = _STORED.match(path)
+    """The response id of ``/v1/responses/{id}`` or ``.../{id}/cancel`` (a trailing slash too,
+    which vLLM's Starlette redirects to the same route), else None."""
+    match = _STORED.match(_untrailed(path))
     return match.group(1) if match else None
+
+
+def _untrailed(path: str) -> str:
+    return path[:-1] if len(path) > 1 and path.endswith("/") else path
 
 
 def kind_of(method: str, path: str, tenant_paths: frozenset[str] | tuple[str, ...] = ()) -> Kind:
     """The ``Kind`` of ``method path``. ``tenant_paths``: unknown POST paths an operator lets
-    tenants use (``auth.tenant_paths``), treated as ``GENERATES``."""
+    tenants use (``auth.tenant_paths``), treated as ``GENERATES``. A trailing slash is read
+    as the path without it: Starlette answers it with a redirect there."""
+    path = _untrailed(path)
     if stored_id(path) is not None and (method in _READS or path.endswith("/cancel")):
         return Kind.STORED
     if method in _READS:

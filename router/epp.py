@@ -64,12 +64,13 @@ from .extproc import (DESTINATION_HEADER, SKIP_BODIES, duplex_modes, header_list
                       set_header, streamed, subset_of)
 from .forward import InFlight, Outcome, answered
 from .gateway import Gateway
-from .inbound import inbound_of
+from .inbound import forward_headers, inbound_of
 from .learning import learn
 from .passthrough import home_of, isolated, not_found
 from .policy import Decision, Route
 from .proxy import route
 from .relay import UsageFilter
+from .tenants import KEY_HEADERS
 
 __all__ = ["DESTINATION_HEADER", "Exchange", "subset_of"]
 
@@ -97,8 +98,9 @@ def _pick(gw: Gateway, client: _Client, endpoint: str, body: bytes | None = None
     common = pb.CommonResponse(clear_route_cache=True)
     if gw.config.auth.upstream_api_key:
         headers.append(set_header("authorization", f"Bearer {gw.config.auth.upstream_api_key}"))
-    elif "authorization" not in gw.tenants.upstream_headers(client, {"authorization": ""}):
-        common.header_mutation.remove_headers.append("authorization")
+        common.header_mutation.remove_headers.append("x-api-key")
+    elif not gw.tenants.forwards_client_key(client):
+        common.header_mutation.remove_headers.extend(KEY_HEADERS)
     if body is not None and not duplex:
         common.body_mutation.body = body
         headers.append(set_header("content-length", str(len(body))))
@@ -181,7 +183,7 @@ class Exchange:
         tenant = self.gw.tenants.tenant_of(self.client) if self.gw.tenants.enabled else None
         if tenant is not None and not self.gw.response_homes.owned_by(response_id, tenant.name):
             return [immediate(not_found(response_id))]
-        home = await home_of(self.gw, response_id, dict(self.client.headers))
+        home = await home_of(self.gw, response_id, forward_headers(self.client, self.gw))
         if home is None:
             return [immediate(not_found(response_id))]
         self.passing = self.duplex and not end
@@ -255,7 +257,7 @@ class Exchange:
         least loaded replica."""
         refused = shape_refusal(raw, self.gw.config.limits)
         tenant = self.gw.tenants.tenant_of(self.client) if self.gw.tenants.enabled else None
-        body = refused or isolated(self.gw, tenant, raw, head_of(raw))
+        body = refused or isolated(self.gw, tenant, raw, head_of(raw), self.path)
         if isinstance(body, web.Response):
             return [immediate(body)]
         routable = self._routable()

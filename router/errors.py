@@ -11,7 +11,8 @@ from aiohttp import web
 __all__ = ["error_body", "openai_error"]
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-          408: "RequestTimeoutError", 413: "RequestTooLargeError", 429: "RateLimitError", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
+          408: "RequestTimeoutError", 413: "RequestTooLargeError",
+          415: "UnsupportedMediaTypeError", 429: "RateLimitError", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
 
 
 def error_body(status: int, message: str, param: str | None = None, type_: str | None = None) -> dict:

@@ -109,7 +109,8 @@ async def _attempt(request: web.Request, gw: Gateway, inbound: Inbound, info: Pr
         try:
             # asyncio.timeout, not wait_for: no task of its own per request (None: no limit)
             async with asyncio.timeout(header_timeout):
-                upstream = await gw.http.post(replica.url + inbound.path, data=inbound.payload, headers=inbound.headers)
+                upstream = await gw.http.post(replica.url + inbound.path, data=inbound.payload, headers=inbound.headers,
+                                              allow_redirects=False)
             async with upstream:
                 if upstream.status >= 500:
                     slot.failed = True

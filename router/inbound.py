@@ -36,6 +36,7 @@ from .dialects import MESSAGES, RESPONSES, check_responses_body, responses_promp
 from .errors import openai_error
 from .gateway import Gateway
 from .prompts import check_body
+from .tenants import IsolationError
 
 __all__ = ["Inbound", "forward_headers", "inbound_of", "read_inbound", "loads", "patched"]
 
@@ -96,9 +97,9 @@ def inbound_of(request, gw: Gateway, path: str, chat: bool, raw: bytes) -> Inbou
     wants_usage = isinstance(options, dict) and options.get("include_usage") is True
     try:
         extra = {**_usage_options(body, stream and path not in _CHECKS, wants_usage),
-                 **gw.tenants.isolation(tenant, body)}
-    except ValueError as exc:  # a nested cache_salt vLLM would refuse
-        return openai_error(400, str(exc), "cache_salt")
+                 **gw.tenants.isolation(tenant, body, path)}
+    except IsolationError as exc:  # a nested cache_salt vLLM would refuse, a Responses request_id
+        return openai_error(400, str(exc), exc.param)
     session = gw.tenants.session(tenant, _session_key(request, body, gw))
     try:
         payload = patched(raw, body, extra)

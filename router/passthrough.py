@@ -57,6 +57,7 @@ from .inbound import forward_headers, patched
 from .relay import CLIENT_GONE, relay
 from .replicas import ReplicaState
 from .response_homes import response_id_of_stream
+from .tenants import IsolationError
 
 __all__ = ["REPLICAS_HEADER", "handle_passthrough", "home_of", "isolated", "not_found",
            "refusal"]
@@ -87,8 +88,8 @@ async def handle_passthrough(request: web.Request, gw: Gateway, payload: bytes |
         if refused is not None:
             return refused
         head = head_of(raw)
-    if kind is Kind.GENERATES and payload is None:
-        isolated_raw = isolated(gw, tenant, raw, head)
+    if kind in (Kind.GENERATES, Kind.ROUTED) and payload is None:  # ROUTED: a path aiohttp matched encoded
+        isolated_raw = isolated(gw, tenant, raw, head, path)
         if isinstance(isolated_raw, web.Response):
             return isolated_raw
         if isolated_raw is not raw:
@@ -115,18 +116,19 @@ def refusal(request, gw: Gateway, method: str, path: str, kind: Kind | None = No
     return gw.tenants.refusal(request, kind, method, path)
 
 
-def isolated(gw: Gateway, tenant, raw: bytes, head: Head | None) -> bytes | web.Response:
-    """A generating request's body with ``Tenants.isolation``'s changes (``raw`` itself when
-    there are none), or the 400 to answer: under tenants a body that is not a JSON object (no
-    salt can be set in it) or a nested salt vLLM would refuse."""
+def isolated(gw: Gateway, tenant, raw: bytes, head: Head | None, path: str) -> bytes | web.Response:
+    """A generating request's body to ``path`` with ``Tenants.isolation``'s changes (``raw``
+    itself when there are none), or the 400 to answer: under tenants a body that is not a JSON
+    object msgspec reads (no salt can be set in it: vLLM would read NaN, say, and generate),
+    or one ``isolation`` refuses."""
     if head is None:
         if tenant is None:
             return raw  # the replica answers a broken body itself
         return openai_error(400, "request body must be a JSON object", "body")
     try:
-        extra = gw.tenants.isolation(tenant, head)
-    except ValueError as exc:
-        return openai_error(400, str(exc), "cache_salt")
+        extra = gw.tenants.isolation(tenant, head, path)
+    except IsolationError as exc:
+        return openai_error(400, str(exc), exc.param)
     return patched(raw, None, extra, keys=head.sent()) if extra else raw
 
 
@@ -156,7 +158,7 @@ async def home_of(gw: Gateway, response_id: str, headers: dict[str, str]) -> Rep
         try:
             quoted = quote(response_id.encode("utf-8", "surrogatepass"), safe="")  # JSON allows lone surrogates
             url = f"{replica.url}/v1/responses/{quoted}"  # the path's id, decoded
-            async with gw.http.get(url, headers=get_headers) as resp:
+            async with gw.http.get(url, headers=get_headers, allow_redirects=False) as resp:
                 if resp.status == 200:
                     gw.response_homes.remember(response_id, replica.name)
                     return replica
@@ -182,7 +184,7 @@ async def _forward(request: web.Request, gw: Gateway, raw: bytes, headers: dict[
         ok: bool | None = False
         try:
             async with gw.http.request(request.method, replica.url + request.path_qs, data=raw or None,
-                                       headers=headers) as upstream:
+                                       headers=headers, allow_redirects=False) as upstream:
                 if upstream.status >= 500 and n + 1 < len(attempts):
                     ok = None
                     answered_5xx.append(replica)
@@ -249,7 +251,7 @@ async def _fanout(request: web.Request, gw: Gateway, raw: bytes, headers: dict[s
     async def one(replica: ReplicaState) -> tuple[int, bytes, str]:
         try:
             async with gw.http.request(request.method, replica.url + request.path_qs, data=raw or None,
-                                       headers=headers) as resp:
+                                       headers=headers, allow_redirects=False) as resp:
                 return resp.status, await resp.read(), resp.headers.get("Content-Type", "application/json")
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             return 0, type(exc).__name__.encode(), "text/plain"

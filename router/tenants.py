@@ -28,7 +28,10 @@ from .config import AuthConfig, TenantConfig
 from .endpoints import Kind
 from .errors import openai_error
 
-__all__ = ["MAX_SALT_CHARS", "SALT_JOIN", "Tenants", "bearer"]
+__all__ = ["IsolationError", "KEY_HEADERS", "MAX_SALT_CHARS", "SALT_JOIN", "Tenants", "bearer"]
+
+# the headers a client's key travels in: OpenAI's, and Anthropic's (its SDKs send x-api-key)
+KEY_HEADERS = ("authorization", "x-api-key")
 
 SALT_JOIN = "|"  # between a tenant's salt and a client's nested one: no configured salt holds it
 # vLLM 0.32's rule for cache_salt (``validate_cache_salt``, vllm/entrypoints/generate/base/protocol.py)
@@ -45,6 +48,15 @@ def bearer(request: web.Request) -> str | None:
     header = request.headers.get("Authorization", "")
     scheme, _, key = header.partition(" ")
     return key.strip() or None if scheme.lower() == "bearer" else None
+
+
+class IsolationError(ValueError):
+    """A body the gateway cannot send upstream under the tenant's isolation; ``param``: the
+    body's key at fault (the 400's ``param``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class Tenants:
@@ -84,38 +96,37 @@ class Tenants:
         if not self.admin_protected:
             return True
         key = bearer(request)
-        if key is None:
-            return False
-        digest = _digest(key)
-        return any([hmac.compare_digest(d, digest) for d in self._admins])
-
-    def carries_admin_key(self, request: web.Request) -> bool:
-        """Whether the request's key is one of ``auth.admin_keys`` (False when none is set)."""
-        return bool(self._admins) and bearer(request) is not None and self.is_admin(request)
+        return key is not None and self._is_admin_key(key)
 
     def salt(self, tenant: TenantConfig, client_salt: object) -> str:
         """The cache_salt a tenant's request goes upstream with: the tenant's, or under
         ``client_salt: nest`` the tenant's and the client's joined by ``SALT_JOIN``. Raises
-        ``ValueError`` (the message for the client) for a nested salt vLLM would refuse."""
+        ``IsolationError`` for a nested salt vLLM would refuse."""
         own = tenant.salt
         if self.config.client_salt != "nest" or client_salt is None:
             return own
         if not isinstance(client_salt, str) or not client_salt:
-            raise ValueError("'cache_salt' must be a non-empty string")
+            raise IsolationError("'cache_salt' must be a non-empty string", "cache_salt")
         nested = f"{own}{SALT_JOIN}{client_salt}"
         if len(nested) > MAX_SALT_CHARS or any(c in _SALT_FORBIDDEN for c in client_salt):
-            raise ValueError(f"'cache_salt' must be at most {MAX_SALT_CHARS - len(own) - 1} characters under this "
-                             f"tenant and must not contain '@', '/', '\\' or NUL")
+            raise IsolationError(f"'cache_salt' must be at most {MAX_SALT_CHARS - len(own) - 1} characters under "
+                                 f"this tenant and must not contain '@', '/', '\\' or NUL", "cache_salt")
         return nested
 
-    def isolation(self, tenant: TenantConfig | None, body) -> dict:
+    def isolation(self, tenant: TenantConfig | None, body, path: str = "") -> dict:
         """The top-level keys a generating request's body gets before it goes upstream (an
         empty dict: none). ``body``: the parsed body, or its ``bodies.Head`` (anything with
         ``get``). The tenant's salt (``salt``), and ``vllm_xargs`` without
         ``kv_cache_report_mode``: ``"full"`` makes vLLM publish ``BlockStored`` again for every
         block a request reuses, with no ``BlockRemoved`` to match, so the KV events every
-        gateway reads would hold those blocks for ever. Raises ``ValueError`` as ``salt``."""
+        gateway reads would hold those blocks for ever. Raises ``IsolationError`` as ``salt``, and
+        under tenants for a ``request_id`` on ``/v1/responses`` (``path``): vLLM stores the
+        Response under that id (``ResponsesResponse.from_request``), so a tenant naming another's
+        id would overwrite that Response."""
         get = body.get
+        if tenant is not None and path == "/v1/responses" and get("request_id") is not None:
+            raise IsolationError("'request_id' names the stored Response; under tenants the engine chooses it",
+                                 "request_id")
         extra: dict = {}
         xargs = get("vllm_xargs")
         if isinstance(xargs, dict) and "kv_cache_report_mode" in xargs:
@@ -135,10 +146,25 @@ class Tenants:
         """``headers`` (the client's, less hop-by-hop ones) without the client's Authorization
         wherever it is not the replica's business: under tenants (a tenant key), where
         ``auth.upstream_api_key`` is set (the gateway's key goes instead), and when it is an
-        admin key. Only an open gateway passes a client's own key on (vLLM's ``--api-key``)."""
-        if self.enabled or self.config.upstream_api_key or self.carries_admin_key(request):
-            return {k: v for k, v in headers.items() if k.lower() != "authorization"}
-        return headers
+        admin key (in ``Authorization`` or Anthropic's ``x-api-key``). Only an open gateway passes a
+        client's own key on (vLLM's ``--api-key``)."""
+        if self.forwards_client_key(request):
+            return headers
+        return {k: v for k, v in headers.items() if k.lower() not in KEY_HEADERS}
+
+    def forwards_client_key(self, request: web.Request) -> bool:
+        """Whether a client's own key may reach a replica (``upstream_headers``): only from an open
+        gateway, one Authorization header at most, and no admin key in either key header."""
+        if self.enabled or self.config.upstream_api_key or len(request.headers.getall("Authorization", [])) > 1:
+            return False
+        if not self._admins:
+            return True
+        keys = [bearer(request), *request.headers.getall("x-api-key", [])]
+        return not any(key and self._is_admin_key(key) for key in keys)
+
+    def _is_admin_key(self, key: str) -> bool:
+        digest = _digest(key)
+        return any([hmac.compare_digest(d, digest) for d in self._admins])
 
     def refusal(self, request: web.Request, kind: Kind, method: str, path: str) -> web.Response | None:
         """The 401 or 403 for a request of ``kind`` without the key it needs, else None.

@@ -158,3 +158,28 @@ _VOLATILE_ALPHABET = "0123456789abcdefABCDEFxyzTZPMpm -:.+_\n\u0663\u096b\uff17"
 def test_the_volatile_pattern_masks_what_it_would_mask_without_its_leading_lookahead(text):
     plain = re.compile(VOLATILE_SPANS)
     assert VOLATILE.sub("#", text) == plain.sub("#", text)
+
+
+def test_a_requests_new_text_is_masked_and_parsed_only_up_to_the_budget(monkeypatch):
+    """The mask and the JSON parse hold the GIL: a 30 MB message would hold the event loop for
+    seconds. Past ``PRINT_BUDGET_CHARS`` of new text a message is hashed as it is."""
+    from router import causes
+
+    masked: list[int] = []
+
+    class Counting:  # the pattern, counting the characters it is run over
+        @staticmethod
+        def sub(repl, text):
+            masked.append(len(text))
+            return VOLATILE.sub(repl, text)
+
+    monkeypatch.setattr(causes, "VOLATILE", Counting)
+    budget = causes.PRINT_BUDGET_CHARS
+    small = [{"role": "user", "content": f"turn {i} at 12:0{i % 10}"} for i in range(5)]
+    huge = {"role": "user", "content": "1.a" * budget}
+    body = {"messages": [*small, huge, {"role": "user", "content": "after it, 2026-12-06"}]}
+    first = fingerprint(body)
+    assert sum(masked) <= budget and len(masked) == len(small) + 1  # the huge message was not masked
+    again = fingerprint({"messages": [*small, {**huge, "content": huge["content"] + "1"}, body["messages"][-1]]})
+    assert first.masked[len(small)] != again.masked[len(small)]  # still told apart, as a rewrite
+    assert first.masked[-1] == again.masked[-1] and first.masked[:len(small)] == again.masked[:len(small)]

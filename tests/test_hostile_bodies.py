@@ -120,3 +120,31 @@ async def test_requests_the_http_parser_refuses_get_an_openai_error(aiohttp_serv
     assert head.startswith(b"HTTP/1.0 400") and b"application/json" in head
     error = json.loads(body)["error"]
     assert error["code"] == 400 and error["type"] == "BadRequestError" and error["message"]
+
+
+async def test_a_compressed_body_is_inflated_no_further_than_the_limit(aiohttp_client, fleet):
+    import gzip
+    import tracemalloc
+    import zlib
+
+    (sim,) = await fleet(1)
+    config = config_from_dict({"replicas": [str(sim.make_url("")).rstrip("/")],
+                               "limits": {"max_body_bytes": 1_000_000}})
+    client = await aiohttp_client(create_app(config, ByteTokenizer()))
+    bomb = gzip.compress(b"{" + b" " * 200_000_000 + b"}", 9)  # 200 MB of JSON in ~200 KB
+    deflated = zlib.compress(b" " * 100_000_000)
+    tracemalloc.start()
+    try:
+        for data, encoding in ((bomb, "gzip"), (bomb + bomb, "gzip"), (deflated, "deflate")):
+            resp = await client.post("/v1/chat/completions", data=data, headers={"Content-Encoding": encoding})
+            assert resp.status == 413 and "decompressed" in (await resp.json())["error"]["message"]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 30 * MB, f"{peak / MB:.0f} MB allocated at the peak"
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    for encoding, data in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)),
+                           ("deflate", zlib.compress(body)[2:-4])):  # zlib's and raw deflate, as aiohttp read them
+        assert (await client.post("/v1/chat/completions", data=data, headers={"Content-Encoding": encoding})).status == 200
+    resp = await client.post("/v1/chat/completions", data=body, headers={"Content-Encoding": "br"})
+    assert resp.status == 415 and (await resp.json())["error"]["type"] == "UnsupportedMediaTypeError"

@@ -48,6 +48,8 @@ class RecordingReplica:
             return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
         raw = await request.read()
         self.seen.append((request.method, path, dict(request.headers), raw))
+        if len(path) > 1 and path.endswith("/"):  # as Starlette (vLLM's server) answers a trailing slash
+            raise web.HTTPTemporaryRedirect(path.rstrip("/"))
         if path == "/v1/responses" and request.method == "POST":
             rid = f"resp_{next(_ids):032x}"
             self.stored.add(rid)
@@ -208,3 +210,74 @@ async def test_an_admin_key_never_leaves_the_gateway(gateway):
     # an open gateway still passes a client's own key on (vLLM's --api-key behind it)
     await client.post("/tokenize", json={"prompt": "x"}, headers=_key(key="sk-clients-own"))
     assert replica.seen[-1][2]["Authorization"] == "Bearer sk-clients-own"
+
+
+async def test_a_routed_path_written_with_an_encoded_slash_is_still_salted(gateway):
+    """aiohttp matches routes on the path as sent (``%2F`` kept), vLLM's server on the decoded
+    one: ``/v1/chat%2Fcompletions`` reaches the passthrough, and vLLM runs it as a chat."""
+    replica, client = await gateway()
+    for path in ("/v1/chat%2Fcompletions", "/v1%2Fcompletions", "/v1%2Fresponses"):
+        resp = await client.post(path, json=_body_for(path.replace("%2F", "/")), headers=_key("bolt"))
+        assert resp.status == 200, (path, await resp.text())
+        sent = json.loads(replica.seen[-1][3])
+        assert sent["cache_salt"] == "tenant:bolt" and "kv_cache_report_mode" not in sent["vllm_xargs"], path
+    refused = await client.post("/v1%2Fresponses", data=b'{"model":"m","input":"x","previous_response_id":"r","x":NaN}',
+                                headers=_key("bolt"))
+    assert refused.status == 400  # vLLM would read NaN; the gateway cannot read the id to check its owner
+
+
+async def test_a_trailing_slash_or_a_redirect_reaches_no_other_tenants_response(gateway):
+    replica, client = await gateway()
+    created = await client.post("/v1/responses", json={"model": MODEL, "input": "secret"}, headers=_key("acme"))
+    rid = (await created.json())["id"]
+    seen = len(replica.seen)
+    resp = await client.get(f"/v1/responses/{rid}/", headers=_key("bolt"))
+    assert resp.status == 404 and len(replica.seen) == seen
+    # a replica's redirect goes back to the client, which asks the gateway again: never followed here
+    resp = await client.get("/version/", headers=_key("bolt"), allow_redirects=False)
+    assert resp.status == 307 and resp.headers["Location"] == "/version"
+    assert [p for _, p, _, _ in replica.seen[seen:]] == ["/version/"]
+
+
+async def test_a_tenant_cannot_name_the_stored_id_of_its_response(gateway):
+    """vLLM stores a Response under the body's ``request_id``: one naming another tenant's id
+    would overwrite that Response."""
+    replica, client = await gateway()
+    for path in ("/v1/responses", "/v1%2Fresponses"):
+        resp = await client.post(path, json={"model": MODEL, "input": "x", "request_id": "resp_of_acme"},
+                                 headers=_key("bolt"))
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "request_id", path
+    assert replica.sent_to("/v1/responses") == []
+
+
+async def test_a_second_authorization_header_or_an_anthropic_key_header_never_carries_a_key_out(gateway):
+    replica, client = await gateway(tenants=False)  # an open gateway with admin keys
+    from multidict import CIMultiDict
+
+    two = CIMultiDict([("Authorization", "Bearer sk-client-own"), ("Authorization", f"Bearer {ADMIN}")])
+    await client.post("/tokenize", json={"prompt": "x"}, headers=two)
+    assert "Authorization" not in replica.seen[-1][2]
+    await client.post("/tokenize", json={"prompt": "x"}, headers={"x-api-key": ADMIN})
+    assert "X-Api-Key" not in replica.seen[-1][2] and "x-api-key" not in replica.seen[-1][2]
+    replica, client = await gateway()
+    await client.post("/tokenize", json={"prompt": "x"}, headers={**_key("bolt"), "x-api-key": KEYS["bolt"]})
+    assert not {"authorization", "x-api-key"} & {k.lower() for k in replica.seen[-1][2]}
+
+
+async def test_the_pickers_search_for_a_responses_home_carries_no_client_key(aiohttp_server, aiohttp_client):
+    from router.app import GATEWAY
+    from router.epp import Exchange
+
+    from .test_epp import _request_headers
+
+    replica = RecordingReplica()
+    server = await aiohttp_server(replica.app)
+    data = {"replicas": [str(server.make_url("")).rstrip("/")], "auth": {"upstream_api_key": UPSTREAM,
+                                                                          "admin_keys": [ADMIN]}}
+    client = await aiohttp_client(create_app(config_from_dict(data), ByteTokenizer()))
+    for key in ("sk-client-own", ADMIN):
+        exchange = Exchange(client.server.app[GATEWAY])
+        await exchange.on_request_headers(_request_headers(
+            {":method": "GET", ":path": "/v1/responses/resp_unknown", "authorization": f"Bearer {key}"}, True))
+        probe = replica.seen[-1]
+        assert probe[1] == "/v1/responses/resp_unknown" and probe[2].get("Authorization") == f"Bearer {UPSTREAM}"
