@@ -8,12 +8,12 @@ vLLM publishes what its prefix cache stores and frees (``--kv-events-config``;
   ``[ts, events, data_parallel_rank]``;
 - each event a tagged struct: a map ``{"type": "BlockStored", "block_hashes": [...], ...}`` in
   vLLM 0.32, an array ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-  lora_id, medium, lora_name]`` in earlier releases (``array_like=True``); both are read;
+  lora_id, medium, lora_name]`` in earlier releases (``array_like=True``); both are read, typed:
+  a payload costs a bounded multiple of its bytes (``tests/test_kv_events_hostile.py``);
 - ``BlockStored``: the hashes of newly cached full blocks, their parent's hash (None at the
   start of a prompt), their token ids, the block size, LoRA, medium (``GPU``, ``CPU``) and, per
   block, ``extra_keys`` (the cache salt rides on the first block's);
-- ``BlockRemoved``: hashes of blocks evicted (one event per evicted block);
-- ``AllBlocksCleared``: ``reset_prefix_cache``;
+- ``BlockRemoved``: hashes of blocks evicted (one event per evicted block); ``AllBlocksCleared``;
 - a ROUTER socket answers a replay request ``(empty frame, start seq)`` with every buffered
   batch from that sequence number, ``(empty, topic, seq, payload)`` each, then an end marker
   whose seq is -1 (the publisher keeps the last ``buffer_steps`` batches, 10,000 by default).
@@ -26,16 +26,16 @@ algorithm and seed; a map from the engine's hash to the gateway's serves removal
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Annotated
 
 import msgspec
 
-from .blocks import BlockHash, extend_block_hashes
+from .blocks import BlockHash, block_hashes
 
-__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "EventBatch", "decode_batch", "EngineView",
-           "END_SEQ"]
+__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "EventBatch", "decode_batch", "decode_events",
+           "to_event", "read_extra_keys", "EngineView", "END_SEQ"]
 
 END_SEQ = -1  # the replay stream's end marker (``ZmqEventPublisher.END_SEQ``)
 EngineHash = bytes | int  # vLLM's ``ExternalBlockHash``
@@ -54,6 +54,8 @@ class BlockStored:
     cache_salt: str | None = None  # from the first block's extra keys, for a prompt's first blocks
     group_idx: int | None = None
     opaque: bool = False  # extra keys the gateway does not hash (images, prompt embeds): not matchable
+    # the extra keys, msgpack, unread: EngineView reads them (read_extra_keys) only if it can store the blocks
+    extra_keys: bytes | msgspec.Raw | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -82,99 +84,129 @@ class EventBatch:
     data_parallel_rank: int | None = None
 
 
-_decoder = msgspec.msgpack.Decoder()
-# field order of the array encoding (vLLM before the map encoding; the fields it then had)
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
-_REMOVED_FIELDS = ("block_hashes", "medium")
+# The wire types: typed decoding (msgspec, in C) fails a payload of another shape at its first wrong
+# byte instead of building millions of Python objects, and skips unbuilt fields no type here names.
+# Token ids are hashed as signed 64-bit ints (blocks.extend_block_hashes). Engine hashes, kept one a
+# block, are 32 bytes (sha256), 16 (xxh3_128) or an int (vllm/utils/hashing.py): none longer.
+_Token = Annotated[int, msgspec.Meta(le=(1 << 63) - 1)]
+_Size = Annotated[int, msgspec.Meta(ge=1)]
+_Hash = Annotated[bytes, msgspec.Meta(max_length=64)] | int
 
 
-def _unhashable_extras(extra_keys: Any) -> bool:
-    """Whether any block's extra keys carry what the gateway's hashes leave out: multimodal
-    inputs (``(mm_identifier, offset)`` pairs) or prompt-embeds digests (bytes). Two images behind
-    the same placeholder tokens would otherwise share one gateway hash."""
-    if not isinstance(extra_keys, list):
-        return False
-    return any(isinstance(k, (list, tuple, bytes)) for keys in extra_keys if isinstance(keys, (list, tuple))
-               for k in keys)
+class _Event(msgspec.Struct, gc=False):
+    """A map-encoded event (vLLM 0.32): every type's fields, so that an unknown type decodes."""
+
+    type: str
+    block_hashes: list[_Hash] | None = None
+    parent_block_hash: _Hash | None = None
+    token_ids: list[_Token] | None = None
+    block_size: _Size | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: msgspec.Raw = msgspec.Raw()
+    group_idx: int | None = None
 
 
-def _salt(extra_keys: Any, lora_name: str | None) -> str | None:
-    """The cache salt in the first block's extra keys: its string entries are the LoRA name
-    (when set) then the salt; ``(mm_identifier, offset)`` pairs are lists
-    (``kv_cache_utils.generate_block_hash_extra_keys``, ``to_event_extra_keys``)."""
-    if not isinstance(extra_keys, list) or not extra_keys or not isinstance(extra_keys[0], (list, tuple)):
-        return None
-    strings = [k for k in extra_keys[0] if isinstance(k, str)]
-    if lora_name is not None and strings and strings[0] == lora_name:
-        strings = strings[1:]
-    return strings[0] if strings else None
+class _Tagged(msgspec.Struct, array_like=True, tag=True, gc=False):
+    """An array-encoded event (earlier releases): the tag, then the fields they had."""
+
+    extra_keys, group_idx = msgspec.Raw(), None  # class attributes: fields the releases did not have
 
 
-_MAX_TOKEN = 1 << 63  # token ids are hashed as signed 64-bit integers (blocks.extend_block_hashes)
+class _StoredArray(_Tagged, tag="BlockStored"):
+    type = "BlockStored"
+    block_hashes: list[_Hash]
+    parent_block_hash: _Hash | None
+    token_ids: list[_Token]
+    block_size: _Size
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
 
 
-def _hashes(value: Any) -> list[EngineHash]:
-    if not isinstance(value, list) or not all(isinstance(h, (bytes, int)) and not isinstance(h, bool) for h in value):
-        raise TypeError("block hashes must be a list of bytes or integers")
-    return value
+class _RemovedArray(_Tagged, tag="BlockRemoved"):
+    type = "BlockRemoved"
+    block_hashes: list[_Hash]
+    medium: str | None = None
 
 
-def _parent(value: Any) -> EngineHash | None:
-    if value is not None and (not isinstance(value, (bytes, int)) or isinstance(value, bool)):
-        raise TypeError("a parent block hash must be bytes or an integer")
-    return value
+class _ClearedArray(_Tagged, tag="AllBlocksCleared"):
+    type = "AllBlocksCleared"
 
 
-def _tokens(value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(type(t) is int and -_MAX_TOKEN <= t < _MAX_TOKEN for t in value):
-        raise TypeError("token ids must be a list of 64-bit integers")
-    return value
+# ``[ts, events, data_parallel_rank]``: map events (vLLM 0.32), or array events (earlier releases)
+_DECODERS = tuple(msgspec.msgpack.Decoder(msgspec.defstruct(
+    "Batch", [("ts", float), ("events", list[e]), ("data_parallel_rank", int | None, None)], array_like=True, gc=False))
+    for e in (_Event, _StoredArray | _RemovedArray | _ClearedArray))
+# the first block's extra keys (the others skipped unbuilt): LoRA name, (mm_identifier, offset)s, salt
+_FIRST_KEYS = msgspec.msgpack.Decoder(msgspec.defstruct(
+    "FirstKeys", [("keys", tuple[str | tuple[str | int, ...], ...] | None, None)], array_like=True, gc=False))
+# every block's keys, if strings (LoRA name, salt), as structs the GC skips: a pair or digest is in the first 3
+_HASHABLE_KEYS = msgspec.msgpack.Decoder(list[msgspec.defstruct(
+    "Keys", [("lora", str, ""), ("salt", str, ""), ("other", str, "")], array_like=True, gc=False) | None])
 
 
-def _text(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
+def read_extra_keys(event: BlockStored) -> None:
+    """Read ``event``'s ``extra_keys`` (msgpack: nil, or per block the LoRA name, ``(mm_identifier,
+    offset)`` pairs, the salt, prompt-embeds digests: ``kv_cache_utils.generate_block_hash_extra_keys``)
+    into ``cache_salt`` and ``opaque``: keys the gateway's hashes leave out (an image, embeds: images
+    behind the same placeholders would share a hash), or a shape vLLM never sends, such as more
+    entries than blocks (not read past the array's header)."""
+    raw, event.extra_keys = event.extra_keys, None
+    head = bytes(memoryview(raw)[:5]) if raw else b"\xc0"
+    if head[0] == 0xC0:
+        return
+    count = {0xDC: head[1:3], 0xDD: head[1:5]}.get(head[0])  # the count of an array 16, array 32
+    entries = head[0] & 0x0F if 0x90 <= head[0] <= 0x9F else None if count is None else int.from_bytes(count, "big")
+    if entries is None or entries > len(event.block_hashes):
+        event.opaque = True
+        return
+    first: list[str] = []
+    try:
+        first = [k for k in _FIRST_KEYS.decode(raw).keys or () if isinstance(k, str)]
+        _HASHABLE_KEYS.decode(raw)
+    except msgspec.ValidationError:
+        event.opaque = True
+    if event.lora_name is not None and first and first[0] == event.lora_name:
+        first = first[1:]
+    event.cache_salt = first[0] if first else None
 
 
-def _event(raw: Any) -> Event | None:
-    if isinstance(raw, (list, tuple)):  # array encoding: the tag first
-        if not raw:
-            return None
-        tag, values = raw[0], raw[1:]
-        fields = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS}.get(tag, ())
-        raw = {"type": tag, **dict(zip(fields, values))}
-    if not isinstance(raw, dict):
-        return None
-    tag = raw.get("type")
-    if tag == "BlockStored":
-        lora = _text(raw.get("lora_name"))
-        size = raw["block_size"]
-        if type(size) is not int or size < 1:
-            raise TypeError("block_size must be a positive integer")
-        group = raw.get("group_idx")
-        extra = raw.get("extra_keys")
-        return BlockStored(_hashes(raw["block_hashes"]), _parent(raw.get("parent_block_hash")),
-                           _tokens(raw["token_ids"]), size, lora, _text(raw.get("medium")),
-                           _salt(extra, lora), group if type(group) is int else None, _unhashable_extras(extra))
-    if tag == "BlockRemoved":
-        group = raw.get("group_idx")
-        return BlockRemoved(_hashes(raw["block_hashes"]), _text(raw.get("medium")),
-                            group if type(group) is int else None)
-    if tag == "AllBlocksCleared":
-        return AllBlocksCleared()
-    return None  # an event type this gateway does not know: skipped
+def decode_events(payload: bytes) -> tuple[float, list, int | None]:
+    """(timestamp, wire events for ``to_event``, DP rank) of a payload. Raises ValueError for
+    bytes that are not an event batch in either encoding."""
+    for decoder in _DECODERS:  # a batch is one release's: all maps (vLLM 0.32), or all arrays
+        try:
+            batch = decoder.decode(payload)
+            return batch.ts, batch.events, batch.data_parallel_rank
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            error = exc
+    raise ValueError(f"not a KV event batch: {type(error).__name__}: {error}"[:300])
+
+
+def to_event(raw: _Event | _Tagged) -> Event | None:
+    """One wire event as the gateway's, extra keys unread; None for a type it does not know.
+    Raises ValueError for a known type without its fields."""
+    if raw.type == "BlockStored":
+        if None in (raw.block_hashes, raw.token_ids, raw.block_size):
+            raise ValueError("a BlockStored without its block hashes, token ids or block size")
+        return BlockStored(raw.block_hashes, raw.parent_block_hash, raw.token_ids, raw.block_size, raw.lora_name,
+                           raw.medium, group_idx=raw.group_idx, extra_keys=raw.extra_keys or None)
+    if raw.type == "BlockRemoved":
+        if raw.block_hashes is None:
+            raise ValueError("a BlockRemoved without its block hashes")
+        return BlockRemoved(raw.block_hashes, raw.medium, raw.group_idx)
+    return AllBlocksCleared() if raw.type == "AllBlocksCleared" else None
 
 
 def decode_batch(payload: bytes) -> EventBatch:
-    """Decode one payload. Raises ValueError for bytes that are not an event batch; events of
-    unknown types are skipped."""
-    try:
-        raw = _decoder.decode(payload)
-        ts, events = float(raw[0]), raw[1]
-        rank = raw[2] if len(raw) > 2 and type(raw[2]) is int else None
-        decoded = [e for e in map(_event, events) if e is not None]
-    except Exception as exc:  # anything a publisher can send: malformed, nested too deep, wrong types
-        raise ValueError(f"not a KV event batch: {type(exc).__name__}: {exc}"[:300]) from None
-    return EventBatch(ts, decoded, rank)
+    """A payload decoded, extra keys read. Raises ValueError for bytes that are not an event
+    batch, or a known event without its fields; events of unknown types are skipped."""
+    ts, raw_events, rank = decode_events(payload)
+    events = [e for e in map(to_event, raw_events) if e is not None]
+    for e in (e for e in events if isinstance(e, BlockStored)):
+        read_extra_keys(e)
+    return EventBatch(ts, events, rank)
 
 
 class EngineView:
@@ -195,7 +227,7 @@ class EngineView:
     def __init__(self, block_size: int, seed: Callable[[str | None, str | None], BlockHash],
                  max_ghosts: int = 100_000, pending_s: float = 2.0, max_blocks: int = 1 << 22) -> None:
         self.block_size = block_size
-        self.max_blocks = max_blocks  # past this many engine hashes the events cannot be a real cache's
+        self.max_blocks = max_blocks  # past this many engine hashes, or blocks, the events cannot be a real cache's
         self.overflowed = False
         self.seed = seed
         self.max_ghosts = max_ghosts
@@ -299,13 +331,20 @@ class EngineView:
 
     def apply(self, event: Event) -> None:
         """Update the view with one event."""
+        deque(self.apply_steps(event), maxlen=0)
+
+    def apply_steps(self, event: Event, slice_blocks: int = 1 << 62) -> Iterator[int]:
+        """Update the view with one event, yielding the blocks done after every ``slice_blocks``:
+        an event loop runs between them (a message at the cap holds ~250,000 blocks)."""
         if isinstance(event, BlockStored):
-            self._stored(event)
+            yield from self._stored(event, slice_blocks)
         elif isinstance(event, BlockRemoved):
             if event.medium not in (None, "GPU") or event.group_idx not in (None, 0):
                 return
-            for engine_hash in event.block_hashes:
-                self._removed(engine_hash)
+            for start in range(0, len(event.block_hashes), slice_blocks):
+                for engine_hash in event.block_hashes[start:start + slice_blocks]:
+                    self._removed(engine_hash)
+                yield min(slice_blocks, len(event.block_hashes) - start)
         elif isinstance(event, AllBlocksCleared):
             # vLLM queues the event when the cache is reset and publishes it after its next step
             # (``Scheduler.update_from_output``): the requests in flight then store their blocks
@@ -314,42 +353,48 @@ class EngineView:
             self.clear()
             self._inflight, self._evicted = inflight, evicted
 
-    def _stored(self, event: BlockStored) -> None:
+    def _stored(self, event: BlockStored, slice_blocks: int) -> Iterator[int]:
         if event.medium not in (None, "GPU") or event.group_idx not in (None, 0):
             return
         if event.block_size != self.block_size:
             self.foreign_block_size += 1
             return
-        if event.opaque:
-            self.opaque += len(event.block_hashes)
-            return
         if len(event.token_ids) != len(event.block_hashes) * event.block_size:
             self.misshapen += 1  # vLLM leaves null and masked blocks out of the hashes, not the tokens
             return
+        if event.extra_keys is not None:  # read only now: the events skipped above never need them
+            read_extra_keys(event)
+            yield 0
+        if event.opaque:
+            self.opaque += len(event.block_hashes)
+            return
         if event.parent_block_hash is None:
-            ours: list[BlockHash] = []
             seed = self.seed(event.lora_name, event.cache_salt)
         else:
             parent = self._engine.get(event.parent_block_hash)
             if parent is None:
                 self.orphans += len(event.block_hashes)
                 return
-            ours, seed = [], parent[0]
-        extend_block_hashes(ours, event.token_ids, self.block_size, seed)
-        engine, blocks, ghosts = self._engine, self._blocks, self._ghosts
-        if len(engine) + len(ours) > self.max_blocks:
-            self.overflowed = True  # EventStream marks the view stale
-            return
-        for engine_hash, h in zip(event.block_hashes, ours):
-            entry = engine.get(engine_hash)
-            if entry is None:
-                engine[engine_hash] = [h, 1]
-            else:
-                entry[1] += 1
-            blocks[h] = blocks.get(h, 0) + 1
-            ghosts.pop(h, None)
-            self._released.pop(h, None)
-            self.stored += 1
+            seed = parent[0]
+        engine, blocks, ghosts, size = self._engine, self._blocks, self._ghosts, self.block_size
+        for start in range(0, len(event.block_hashes), slice_blocks):
+            engine_hashes = event.block_hashes[start:start + slice_blocks]
+            ours = block_hashes(event.token_ids[start * size:(start + len(engine_hashes)) * size], size, seed)
+            if max(len(engine), len(blocks)) + len(ours) > self.max_blocks:  # a repeated engine hash too
+                self.overflowed = True  # EventStream marks the view stale
+                return
+            for engine_hash, h in zip(engine_hashes, ours):
+                entry = engine.get(engine_hash)
+                if entry is None:
+                    engine[engine_hash] = [h, 1]
+                else:
+                    entry[1] += 1
+                blocks[h] = blocks.get(h, 0) + 1
+                ghosts.pop(h, None)
+                self._released.pop(h, None)
+                self.stored += 1
+            seed = ours[-1]
+            yield len(ours)
 
     def _removed(self, engine_hash: EngineHash) -> None:
         entry = self._engine.get(engine_hash)

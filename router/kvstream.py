@@ -8,8 +8,9 @@ its ``EngineView`` in sequence order (``router/kvevents.py`` has the wire format
   DEALER sends ``(empty, start seq)``; ``ZmqEventPublisher._service_replay``) and applied first;
 - a number at or below the last one seen comes from a new engine process (vLLM counts from 0
   in each): the view is cleared, and what the new process published before is replayed;
-- a gap the replay cannot fill (no replay socket, no answer within ``replay_timeout_s``, or the
-  publisher's buffer no longer reaches back) clears the view and marks it stale: the gateway
+- a gap the replay cannot fill (no replay socket, no answer within ``replay_timeout_s``, an
+  answer over REPLAY_MAX_BYTES, or the publisher's buffer no longer reaches back; a message over
+  MAX_MESSAGE_BYTES is one) clears the view and marks it stale: the gateway
   then routes this replica by its own guess (the shadow index) until the engine has stored as
   many new blocks as it can hold (``rebuild_blocks``), by when what the view missed has been
   evicted or stored again. A prefix held since before the gap and never freed stays unknown
@@ -17,6 +18,11 @@ its ``EngineView`` in sequence order (``router/kvevents.py`` has the wire format
 
 One stream per replica and gateway process; they share nothing, so every gateway instance that
 subscribes to every replica builds the same picture.
+
+ZMQ authenticates nobody: whoever reaches the publisher's ports, or binds them, can wipe or steer
+this replica's view (its routing), never another replica's, never a request's content. What it
+cannot do is take the gateway's memory or its event loop: the constants below bound both, per
+stream, and ``tests/test_kv_events_hostile.py`` measures them against such a publisher.
 """
 
 from __future__ import annotations
@@ -26,24 +32,53 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import xxhash
 import zmq
 import zmq.asyncio
+from zmq.utils import monitor as zmq_monitor
 
-from .kvevents import END_SEQ, EngineView, decode_batch
+from .kvevents import END_SEQ, EngineView, decode_events, to_event
 
 __all__ = ["EventStream", "REBUILD_BLOCKS"]
 
-MAX_MESSAGE_BYTES = 64 << 20  # one batch larger than this is not an engine's (a 128K-token prompt is ~1 MB)
-YIELD_EVERY = 64  # batches applied between yields to the event loop during a replay
+# What any publisher can make a stream hold or do: a message of at most MAX_MESSAGE_BYTES, decoded
+# typed (kvevents) into a bounded multiple of that, applied SLICE_BLOCKS at a time; at most
+# LIVE_QUEUE messages queued; a replay of at most REPLAY_MAX_BYTES; sequence numbers below MAX_SEQ.
+MAX_MESSAGE_BYTES = 4 << 20
+"""Bytes in one message (ZMQ's MAXMSGSIZE, on the SUB and the replay DEALER: a larger message
+drops the connection, and is lost like any gap). The largest batch one vLLM engine step
+publishes, a 128K-token prompt stored in one step with LoRA, salt and an image on every block,
+is 2.24 MiB; an 8,192-token step 0.1-0.64 MiB (``bench/results/kv-event-sizes.md``, from vLLM's
+own event classes and encoder: ``bench/kv_event_sizes.py``)."""
+LIVE_QUEUE = 8
+"""Messages the SUB socket queues unread (RCVHWM; ZMQ's default, 1,000, is 4 GB at the cap). A
+full queue stops ZMQ reading the connection, so the publisher queues the rest (vLLM's PUB holds
+``hwm``, 100,000 batches) and nothing is lost."""
+REPLAY_MAX_BYTES = 64 << 20
+"""Bytes read from one replay answer, counting REPLAY_MESSAGE_BYTES more for each message: past
+it the stream stops reading and the gap is lost (what ZMQ queued meanwhile goes with the socket).
+The publisher buffers 10,000 batches (``buffer_steps``); 64 MiB is ~650 of its 8,192-token
+prefill steps, or the whole buffer at 6.7 KB a batch."""
+REPLAY_MESSAGE_BYTES = 256  # what a message kept costs beyond its bytes (tuple, int, bytes object)
+SLICE_S = 0.005  # a stream's run between yields to the event loop (a ready socket never yields by itself)
+SLICE_BLOCKS = 2048  # blocks the view stores or removes in one step: 1-3 ms (a 4 MiB message's decoding: ~50)
+MAX_SEQ = 1 << 63  # vLLM counts from 0 (``itertools.count``); -1, read unsigned 2**64 - 1, ends a replay
+RESUBSCRIBE_WAIT_S = 1.0  # after a dropped connection: a publisher that drops it on purpose costs a replay a second
 CONNECT_WAIT_S = 5.0  # a publisher not connected by then: catch up anyway (the live stream repairs later)
 SUBSCRIBE_WAIT_S = 0.05  # after CONNECTED, for the subscription to reach the publisher (a loopback round trip)
 SEEN_BATCHES = 1024  # digests kept to tell a batch delivered twice from a restarted engine's
 REBUILD_BLOCKS = 28_000  # when the replica's capacity is unknown: router/tools/sim/config.py's H100 replica
 
+_NO_ANSWER = "the replay socket did not answer"
+
 log = logging.getLogger(__name__)
+
+
+def _dropped(event: list[bytes]) -> bool:
+    """Whether a socket monitor's message says the connection dropped."""
+    return zmq_monitor.parse_monitor_message(event)["event"] == zmq.EVENT_DISCONNECTED
 
 
 class EventStream:
@@ -52,7 +87,8 @@ class EventStream:
     ``endpoint`` / ``replay_endpoint``: ZMQ addresses (``tcp://host:5557``); ``rebuild_blocks``:
     a callable giving the replica's capacity in blocks (read at each gap: ``num_gpu_blocks``).
     Counters for ``/replicas`` and the metrics: ``batches``, ``events``, ``gaps_repaired``,
-    ``gaps_lost``, ``restarts``, ``undecodable``; ``stale`` with ``stale_reason``.
+    ``gaps_lost``, ``restarts``, ``undecodable`` (messages, events and sequence numbers no engine
+    sends); ``stale`` with ``stale_reason``.
     """
 
     def __init__(self, name: str, endpoint: str, replay_endpoint: str | None, view: EngineView, *,
@@ -77,6 +113,8 @@ class EventStream:
         self._seen: OrderedDict[int, int] = OrderedDict()  # seq -> payload digest, the last SEEN_BATCHES
         self.stopped = False  # run() ended (an error): the view is no longer followed
         self._catching_up: asyncio.Future | None = None  # the catch_up running, which others join
+        self._ran_since = 0.0  # perf_counter seconds of the last yield to the event loop
+        self._epoch = 0  # counts the view's forgettings (reset, marked stale) that a batch being applied must see
 
     @property
     def fresh(self) -> bool:
@@ -88,30 +126,19 @@ class EventStream:
         """A new engine process (seen by other means: its metrics went back): forget the
         sequence too, so that its batches are replayed from its first."""
         self.view.clear()
+        self._epoch += 1
         self.last_seq = None
         self._seen.clear()
         self.stale, self.stale_reason = False, ""
 
     async def run(self) -> None:
-        """Follow the stream forever (cancel to stop)."""
-        sub = self._context.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        """Follow the stream forever (cancel to stop). A publisher that sends what ZMQ refuses
+        (a message over MAX_MESSAGE_BYTES, a malformed frame) loses its connection, which ZMQ
+        does not reconnect: the stream subscribes anew after RESUBSCRIBE_WAIT_S."""
         try:
-            await self._connected(sub)
-            # what the engine published before this gateway subscribed (an idle engine may
-            # publish nothing more for a long time): its buffer, or an empty stream. Only once
-            # the subscription is in place: a batch published before it would be lost with
-            # nothing after it to reveal the gap, while the view said it knew the cache.
-            with contextlib.suppress(zmq.ZMQError):
-                await self.catch_up()
             while True:
-                frames = await sub.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    self.undecodable += 1
-                    continue
-                await self.receive(int.from_bytes(frames[1], "big"), frames[2])
+                await self._subscribed()
+                await asyncio.sleep(RESUBSCRIBE_WAIT_S)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -119,23 +146,61 @@ class EventStream:
             raise
         finally:
             self.stopped = True
-            sub.close()
 
-    async def _connected(self, sub) -> None:
-        """Connect ``sub`` and wait until the publisher can have its subscription (ZMQ's
-        CONNECTED event, then a moment for the subscription message), at most CONNECT_WAIT_S."""
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+    async def _subscribed(self) -> None:
+        """One subscription, until its connection drops."""
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sub.setsockopt(zmq.RCVHWM, LIVE_QUEUE)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
+            # wait until the publisher can have the subscription (CONNECTED, then a moment for
+            # the subscription message), at most CONNECT_WAIT_S
             sub.connect(self.endpoint)
-            if await monitor.poll(CONNECT_WAIT_S * 1000):
-                await monitor.recv_multipart()
+            if await monitor.poll(CONNECT_WAIT_S * 1000) and _dropped(await monitor.recv_multipart()):
+                return
             await asyncio.sleep(SUBSCRIBE_WAIT_S)
+            # what the engine published before this gateway subscribed (an idle engine may
+            # publish nothing more for a long time): its buffer, or an empty stream. Only once
+            # the subscription is in place: a batch published before it would be lost with
+            # nothing after it to reveal the gap, while the view said it knew the cache.
+            with contextlib.suppress(zmq.ZMQError):
+                await self.catch_up()
+            while True:
+                ready = dict(await poller.poll())
+                if monitor in ready and _dropped(await monitor.recv_multipart()):
+                    log.info("replica %s: its KV event publisher's connection dropped; subscribing again", self.name)
+                    return
+                if sub not in ready:
+                    continue
+                frames = await sub.recv_multipart()
+                await self._yield()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self.undecodable += 1
+                    continue
+                await self.receive(int.from_bytes(frames[1], "big"), frames[2])
         finally:
             sub.disable_monitor()
             monitor.close()
+            sub.close()
+
+    async def _yield(self) -> None:
+        """Let the event loop run if this stream has run for SLICE_S since it last did."""
+        if time.perf_counter() - self._ran_since >= SLICE_S:
+            await asyncio.sleep(0)
+            self._ran_since = time.perf_counter()
 
     async def receive(self, seq: int, payload: bytes) -> None:
-        """Apply one message from the live stream, after any batches it shows are missing."""
+        """Apply one message from the live stream, after any batches it shows are missing. A
+        sequence number vLLM never sends (below 0, from 2**63) counts as undecodable."""
+        if not 0 <= seq < MAX_SEQ:
+            self.undecodable += 1
+            return
         async with self._lock:
             await self._receive(seq, payload)
 
@@ -155,8 +220,11 @@ class EventStream:
     async def _catch_up(self) -> int:
         async with self._lock:
             start = 0 if self.last_seq is None else self.last_seq + 1
-            replayed = await self._replay(start, 1 << 63)
-            if replayed is None:
+            replayed, short = await self._replay(start, MAX_SEQ)
+            if short == _NO_ANSWER:
+                return 0  # the live stream repairs what this missed
+            if short is not None:
+                self._lose(f"batches from {start} missed, and {short}")
                 return 0
             if not replayed:
                 if self.last_seq is None:
@@ -168,15 +236,11 @@ class EventStream:
                     self.mark_stale(reason)
                 else:
                     self._lose(reason)
-            applied = 0
             for seq, payload in replayed:
                 if self.last_seq is not None and self.last_seq >= 0 and seq != self.last_seq + 1:
                     self._lose(f"the replay skipped batches {self.last_seq + 1}-{seq - 1}")
-                self._apply(seq, payload)
-                applied += 1
-                if applied % YIELD_EVERY == 0:
-                    await asyncio.sleep(0)  # a long replay must not hold up requests
-            return applied
+                await self._apply(seq, payload)
+            return len(replayed)
 
     async def _receive(self, seq: int, payload: bytes) -> None:
         last = self.last_seq if self.last_seq != -1 else None
@@ -192,25 +256,19 @@ class EventStream:
         start = 0 if last is None else last + 1
         if seq > start:
             await self._repair(start, seq)
-        self._apply(seq, payload)
+        await self._apply(seq, payload)
 
     async def _repair(self, start: int, until: int) -> None:
-        replayed = await self._replay(start, until) if self.replay_endpoint else None
-        if (replayed is not None and len(replayed) == until - start
-                and all(seq == start + i for i, (seq, _) in enumerate(replayed))):
-            for i, (seq, payload) in enumerate(replayed):
-                self._apply(seq, payload)
-                if (i + 1) % YIELD_EVERY == 0:
-                    await asyncio.sleep(0)  # a long replay must not hold up requests
+        if self.replay_endpoint is None:
+            replayed, short = [], "no replay socket is configured"
+        else:
+            replayed, short = await self._replay(start, until)
+        if short is None and len(replayed) == until - start:  # increasing, in [start, until): every one
+            for seq, payload in replayed:
+                await self._apply(seq, payload)
             self.gaps_repaired += start > 0  # joining a running stream is no gap
             return
-        if self.replay_endpoint is None:
-            reason = f"batches {start}-{until - 1} missed, and no replay socket is configured"
-        elif replayed is None:
-            reason = f"batches {start}-{until - 1} missed, and the replay socket did not answer"
-        else:
-            reason = f"batches {start}-{until - 1} missed, and the publisher no longer buffers them"
-        self._lose(reason)
+        self._lose(f"batches {start}-{until - 1} missed, and {short or 'the publisher no longer buffers them'}")
 
     def _lose(self, reason: str) -> None:
         self.gaps_lost += 1
@@ -219,20 +277,25 @@ class EventStream:
     def mark_stale(self, reason: str) -> None:
         """Stop routing by the view until it is rebuilt (``rebuild_blocks`` stored from empty)."""
         self.view.clear()
+        self._epoch += 1
         self.stale, self.stale_reason = True, reason
         self._rebuild_left = max(self.rebuild_blocks(), 1)
         log.warning("replica %s: KV events %s; routing it by the gateway's own guess until the view is "
                     "rebuilt (%d blocks stored)", self.name, reason, self._rebuild_left)
 
-    async def _replay(self, start: int, until: int) -> list[tuple[int, bytes]] | None:
-        """Batches ``start .. until - 1`` from the replay socket, in order; None on no answer."""
+    async def _replay(self, start: int, until: int) -> tuple[list[tuple[int, memoryview]], str | None]:
+        """Batches ``start .. until - 1`` from the replay socket, in order, and None; or those
+        read and why it stopped short: no end marker within ``replay_timeout_s`` (_NO_ANSWER), or
+        more than REPLAY_MAX_BYTES. vLLM sends each batch once, in order: a sequence number at or
+        below the last one kept, or out of the range, is dropped."""
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         # vLLM's ROUTER sends the whole buffer at once; a bounded receive queue would drop part
         # of it silently (measured: 3,500 of 10,000 batches with the default high-water mark)
         dealer.setsockopt(zmq.RCVHWM, 0)
         dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        out: list[tuple[int, bytes]] = []
+        out: list[tuple[int, memoryview]] = []
+        read = 0
         try:
             dealer.connect(self.replay_endpoint)
             await dealer.send_multipart((b"", start.to_bytes(8, "big")))
@@ -240,42 +303,59 @@ class EventStream:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not await dealer.poll(left * 1000):
-                    return None
-                frames = await dealer.recv_multipart()
+                    return out, _NO_ANSWER
+                # uncopied, the reading keeps pace with what ZMQ queues unasked: a 400 MB answer
+                # raised RSS by ~68 MB, the budget's and little more (copied: 120-140 MB)
+                frames = [f.buffer for f in await dealer.recv_multipart(copy=False)]
+                size = sum(map(len, frames)) + REPLAY_MESSAGE_BYTES
+                read += size
+                if read > REPLAY_MAX_BYTES:
+                    return out, f"the replay answered more than {REPLAY_MAX_BYTES:,} bytes"
+                await self._yield()
                 if len(frames) != 4 or len(frames[2]) != 8:  # (empty, topic, seq, payload)
                     continue
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq == END_SEQ:
-                    return out
-                if seq < 0:
-                    continue
-                if start <= seq < until:
+                    return out, None
+                if start <= seq < until and (not out or seq > out[-1][0]):
                     out.append((seq, frames[3]))
         finally:
             dealer.close()
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    def _steps(self, raw_events: list) -> Iterator[int]:
+        """Apply a batch's wire events to the view, one step (an event, a slice of one) at a time."""
+        for raw in raw_events:
+            try:
+                event = to_event(raw)
+                if event is not None:
+                    self.events += 1
+                    yield from self.view.apply_steps(event, SLICE_BLOCKS)
+            except Exception:  # noqa: BLE001 - whatever a publisher sends must not stop the stream
+                self.undecodable += 1
+            yield 1
+
+    async def _apply(self, seq: int, payload: bytes | memoryview) -> None:
+        await self._yield()  # before its decoding, one call
         self.last_seq = seq
         self._seen[seq] = xxhash.xxh3_64_intdigest(payload)
         if len(self._seen) > SEEN_BATCHES:
             self._seen.popitem(last=False)
         try:
-            batch = decode_batch(payload)
+            _, raw_events, _ = decode_events(payload)
         except ValueError:
             self.undecodable += 1
             return
-        stored_before = self.view.stored
-        for event in batch.events:
-            try:
-                self.view.apply(event)
-            except Exception:  # noqa: BLE001 - whatever a publisher sends must not stop the stream
-                self.undecodable += 1
+        stored_before, epoch = self.view.stored, self._epoch
+        await self._yield()
+        for _ in self._steps(raw_events):
+            await self._yield()  # requests go between the steps of a long batch or replay
+            if self._epoch != epoch:
+                return  # the view was forgotten meanwhile (reset, marked stale): so is the rest
         self.batches += 1
-        self.events += len(batch.events)
-        if self.view.overflowed:
-            self.mark_stale(f"the events describe more blocks than the replica holds ({self.view.max_blocks})")
         self.last_event_at = time.monotonic()
-        if self.stale and self._rebuild_left > 0:
+        if self.view.overflowed:  # what this batch stored is no rebuilding
+            self.mark_stale(f"the events describe more blocks than the replica holds ({self.view.max_blocks})")
+        elif self.stale and self._rebuild_left > 0:
             self._rebuild_left -= self.view.stored - stored_before
             if self._rebuild_left <= 0:
                 self.stale, self.stale_reason = False, ""
