@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.hostile_bodies import SHAPES, HealthWatch
+from bench.hostile_bodies import SHAPES, TEXTS, HealthWatch, RssWatch, rss_mb, text_body
 from bench.hostile_bodies import body as amplifying
 from router.app import create_app
 from router.config import config_from_dict
@@ -66,6 +66,30 @@ def test_amplification_bodies_cost_neither_memory_nor_the_loop(tmp_path):
             grown = _peak_rss_mb(gateway.pid) - before
     assert grown <= 200, f"the gateway's peak memory grew {grown:.0f} MB"
     assert watch.slowest <= 0.2, f"/health took {watch.slowest * 1000:.0f} ms"  # worst() not called: all-time
+
+
+def test_thirty_megabytes_of_prompt_text_cost_its_size_not_the_loop(tmp_path):
+    """A prompt far past any model's length is still read, analysed and sent on (vLLM refuses
+    it): the change classifier's mask and JSON parse (``causes.PRINT_BUDGET_CHARS``) and the
+    shadow index (``ShadowIndex.insert``) once held the loop seconds for it."""
+    with running([sim_server(tmp_path, ["--model", MODEL, "--time-scale", "1000"])]) as (replica,):
+        gateway = gateway_server(tmp_path, [replica])
+        with running([gateway]) as (url,):
+            watch, memory = HealthWatch(url), RssWatch(gateway.pid)
+            watch.start()
+            memory.start()
+            try:
+                for _, *parts in TEXTS:
+                    before = rss_mb(gateway.pid)
+                    memory.peak()
+                    status, answer = _post(url + "/v1/chat/completions", text_body(*parts, 30 * MB))
+                    assert status < 500, answer[:200]
+                    risen = memory.peak() - before
+                    assert risen <= 200, f"{parts}: the gateway's memory rose {risen:.0f} MB"
+            finally:
+                watch.done.set()
+                memory.done.set()
+    assert watch.slowest <= 0.2, f"/health took {watch.slowest * 1000:.0f} ms"
 
 
 async def test_a_body_sent_a_byte_at_a_time_gets_408_by_the_deadline(aiohttp_server, fleet):
