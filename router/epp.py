@@ -59,14 +59,14 @@ from .bodies import head_of, loads, shape_refusal
 from .constants import REPLICA_HEADER
 from .dialects import MESSAGES, RESPONSES, Events
 from .endpoints import ROUTED, Kind, kind_of, stored_id
-from .errors import openai_error
+from .errors import openai_error, response_not_found
 from .extproc import (DESTINATION_HEADER, SKIP_BODIES, duplex_modes, header_list, immediate, metadata, served_of,
                       set_header, streamed, subset_of)
 from .forward import InFlight, Outcome, answered
 from .gateway import Gateway
 from .inbound import forward_headers, inbound_of
 from .learning import learn
-from .passthrough import home_of, isolated, not_found
+from .passthrough import home_of, isolated
 from .policy import Decision, Route
 from .proxy import route
 from .relay import UsageFilter
@@ -182,10 +182,10 @@ class Exchange:
         create it (``response_homes.py``), or when no routable replica holds it."""
         tenant = self.gw.tenants.tenant_of(self.client) if self.gw.tenants.enabled else None
         if tenant is not None and not self.gw.response_homes.owned_by(response_id, tenant.name):
-            return [immediate(not_found(response_id))]
+            return [immediate(response_not_found(response_id))]
         home = await home_of(self.gw, response_id, forward_headers(self.client, self.gw))
         if home is None:
-            return [immediate(not_found(response_id))]
+            return [immediate(response_not_found(response_id))]
         self.passing = self.duplex and not end
         return [self._to(home.name, headers=True)]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-__all__ = ["error_body", "openai_error"]
+__all__ = ["error_body", "openai_error", "response_not_found"]
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
           408: "RequestTimeoutError", 413: "RequestTooLargeError",
@@ -25,3 +25,9 @@ def openai_error(status: int, message: str, param: str | None = None, type_: str
                  headers: dict[str, str] | None = None) -> web.Response:
     """An error response with that body and status (and ``headers``, such as Retry-After)."""
     return web.json_response(error_body(status, message, param, type_), status=status, headers=headers)
+
+
+def response_not_found(response_id: str, param: str | None = None) -> web.Response:
+    """vLLM's 404 for a stored Response it does not hold (``responses/serving.py``), which the
+    gateway also gives a tenant asking for another's."""
+    return openai_error(404, f"Response with id '{response_id[:200]}' not found.", param, type_="NotFoundError")

@@ -33,15 +33,15 @@ from aiohttp import web
 from .anthropic import check_messages_body, messages_prompt
 from .bodies import loads, parse, read_body
 from .dialects import MESSAGES, RESPONSES, check_responses_body, responses_prompt
-from .errors import openai_error
+from .errors import openai_error, response_not_found
 from .gateway import Gateway
 from .prompts import check_body
 from .tenants import IsolationError
 
 __all__ = ["Inbound", "forward_headers", "inbound_of", "read_inbound", "loads", "patched"]
 
-# Not forwarded: hop-by-hop headers, and Content-Encoding, since aiohttp hands the handler the
-# decompressed body (a gzip header on a plain body made replicas answer 500)
+# Not forwarded: hop-by-hop headers, and Content-Encoding, since the body goes on inflated
+# (bodies.read_body; a gzip header on a plain body made replicas answer 500)
 _HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
                "proxy-authorization", "proxy-connection", "te", "trailer", "accept-encoding", "content-encoding"}
 
@@ -89,7 +89,7 @@ def inbound_of(request, gw: Gateway, path: str, chat: bool, raw: bytes) -> Inbou
         return openai_error(400, *problem)
     previous = body.get("previous_response_id") if path == RESPONSES else None
     if tenant is not None and previous and not gw.response_homes.owned_by(str(previous), tenant.name):
-        return openai_error(404, f"Response with id '{str(previous)[:200]}' not found.", "previous_response_id")
+        return response_not_found(str(previous), "previous_response_id")
     if not any(r.routable for r in gw.replicas.values()):
         return openai_error(503, "no healthy replica", type_="ServiceUnavailableError")
     stream = body.get("stream") is True

@@ -50,7 +50,7 @@ from aiohttp import web
 
 from .bodies import Head, head_of, read_body, shape_refusal
 from .endpoints import Kind, kind_of, stored_id
-from .errors import error_body, openai_error
+from .errors import error_body, openai_error, response_not_found
 from .forward import breaker_record
 from .gateway import Gateway
 from .inbound import forward_headers, patched
@@ -59,8 +59,7 @@ from .replicas import ReplicaState
 from .response_homes import response_id_of_stream
 from .tenants import IsolationError
 
-__all__ = ["REPLICAS_HEADER", "handle_passthrough", "home_of", "isolated", "not_found",
-           "refusal"]
+__all__ = ["REPLICAS_HEADER", "handle_passthrough", "home_of", "isolated", "refusal"]
 
 REPLICAS_HEADER = "x-prefix-router-replicas"  # a fan-out's per-replica statuses: "a:8000=200,b:8000=200"
 
@@ -99,7 +98,7 @@ async def handle_passthrough(request: web.Request, gw: Gateway, payload: bytes |
     owner = tenant.name if tenant is not None else None
     if isinstance(response_id, str) and response_id:
         if owner is not None and not gw.response_homes.owned_by(response_id, owner):
-            return not_found(response_id)
+            return response_not_found(response_id)
         home = await home_of(gw, response_id, headers)
         candidates = [home] if home is not None else _candidates(gw, head)  # none: any one answers vLLM's 404
     else:
@@ -130,11 +129,6 @@ def isolated(gw: Gateway, tenant, raw: bytes, head: Head | None, path: str) -> b
     except IsolationError as exc:
         return openai_error(400, str(exc), exc.param)
     return patched(raw, None, extra, keys=head.sent()) if extra else raw
-
-
-def not_found(response_id: str) -> web.Response:
-    """vLLM's 404 for a Response it does not hold (``responses/serving.py``)."""
-    return openai_error(404, f"Response with id '{response_id[:200]}' not found.", type_="NotFoundError")
 
 
 def _candidates(gw: Gateway, head: Head | None) -> list[ReplicaState]:
