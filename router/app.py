@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from .cacheview import follow_events
 from .config import GatewayConfig
 from .dialects import MESSAGES, RESPONSES
+from .endpoints import Kind
 from .discovery import discover_once, poll_dns
 from .errors import error_body, openai_error
 from .gateway import Gateway
@@ -213,8 +214,9 @@ async def _models(request: web.Request) -> web.Response:
     ``/v1/models`` (each id once, as the first replica to list it describes it), with each
     replica's status in ``x-prefix-router-replicas``."""
     gw = request.app[GATEWAY]
-    if gw.tenants.enabled and gw.tenants.tenant_of(request) is None and not gw.tenants.is_admin(request):
-        return openai_error(401, "missing or unknown API key (Authorization: Bearer KEY)", type_="AuthenticationError")
+    refused = gw.tenants.refusal(request, Kind.SERVES, "GET", "/v1/models")
+    if refused is not None:
+        return refused
 
     async def one(replica) -> tuple[int, list]:
         try:

@@ -27,7 +27,7 @@ class Kind(enum.Enum):
 
     ROUTED = "routed"  # routed by prefix and proxied: proxy.py
     GENERATES = "generates"  # the engine computes KV from its JSON body: one replica, the tenant's salt set
-    UNSALTABLE = "unsalt"  # the engine computes KV from a body that carries no cache_salt: refused to tenants
+    UNSALTABLE = "unsaltable"  # the engine computes KV from a body that carries no cache_salt: refused to tenants
     SERVES = "serves"  # nothing cached is computed from the body (tokenize, render, health): one replica
     STORED = "stored"  # a stored Response by id: its home replica, its tenant only (response_homes.py)
     OPERATOR = "operator"  # changes the replicas' state: an admin key, every replica

@@ -33,6 +33,7 @@ from aiohttp import web
 from .anthropic import check_messages_body, messages_prompt
 from .bodies import loads, parse, read_body
 from .dialects import MESSAGES, RESPONSES, check_responses_body, responses_prompt
+from .endpoints import Kind
 from .errors import openai_error, response_not_found
 from .gateway import Gateway
 from .prompts import check_body
@@ -67,8 +68,9 @@ class Inbound:
 
 async def read_inbound(request: web.Request, gw: Gateway, path: str, chat: bool) -> Inbound | web.Response:
     """The request checked and prepared for forwarding, or the error response to answer."""
-    if gw.tenants.enabled and gw.tenants.tenant_of(request) is None:
-        return openai_error(401, "missing or unknown API key (Authorization: Bearer KEY)", type_="AuthenticationError")
+    refused = gw.tenants.refusal(request, Kind.ROUTED, "POST", path)  # before the body is read
+    if refused is not None:
+        return refused
     raw = await read_body(request, gw.config.limits)
     if isinstance(raw, web.Response):
         return raw
@@ -78,9 +80,10 @@ async def read_inbound(request: web.Request, gw: Gateway, path: str, chat: bool)
 def inbound_of(request, gw: Gateway, path: str, chat: bool, raw: bytes) -> Inbound | web.Response:
     """``read_inbound`` once the body is read: ``request`` is anything with the client's
     ``headers`` (an aiohttp request, or the Endpoint Picker's view of Envoy's, ``epp.py``)."""
+    refused = gw.tenants.refusal(request, Kind.ROUTED, "POST", path)
+    if refused is not None:
+        return refused
     tenant = gw.tenants.tenant_of(request) if gw.tenants.enabled else None
-    if gw.tenants.enabled and tenant is None:
-        return openai_error(401, "missing or unknown API key (Authorization: Bearer KEY)", type_="AuthenticationError")
     body = parse(raw, gw.config.limits)
     if isinstance(body, web.Response):
         return body

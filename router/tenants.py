@@ -179,10 +179,10 @@ class Tenants:
         if kind in (Kind.OPERATOR, Kind.UNKNOWN):
             if self.is_admin(request):
                 return None
-            message = f"{what} may change the replicas' state and needs an admin key"
-            if kind is Kind.UNKNOWN and self.enabled:
-                message = f"{what} is not an endpoint the gateway knows; an operator may allow it (auth.tenant_paths)"
-            return self._denied(request, message)
+            if kind is Kind.UNKNOWN and self.enabled and self.tenant_of(request) is not None:
+                return openai_error(403, f"{what} is not an endpoint the gateway knows, so it is closed to tenants; "
+                                         "an operator may open it (auth.tenant_paths)", type_="PermissionDeniedError")
+            return self._denied(request, f"{what} may change the replicas' state and needs an admin key")
         if not self.enabled:
             return None
         if kind is Kind.UNSALTABLE:
@@ -191,6 +191,9 @@ class Tenants:
         tenant = self.tenant_of(request)
         if tenant is not None or (kind is Kind.SERVES and self.is_admin(request)):
             return None
+        if self.is_admin(request):
+            return openai_error(401, f"{what} needs a tenant's key: an admin key acts for no tenant (its requests "
+                                     "would have no cache salt)", type_="AuthenticationError")
         return openai_error(401, "missing or unknown API key (Authorization: Bearer KEY)", type_="AuthenticationError")
 
     @staticmethod

@@ -189,6 +189,19 @@ def test_two_tenants_with_one_effective_salt_are_refused_in_one_line():
             {"name": "b", "keys": ["sk-bbbb-key"], "cache_salt": "shared"}]
     with pytest.raises(ConfigError, match="share one KV cache"):
         config_from_dict({"auth": {"tenants": same}})
+    for known in ("/v1/audio/transcriptions", "/v1/chat/completions", "/reset_prefix_cache"):
+        with pytest.raises(ConfigError, match="tenant_paths.* knows"):  # opening it would do nothing
+            config_from_dict({"auth": {"tenant_paths": [known]}})
+
+
+async def test_an_admin_key_on_a_tenants_endpoint_is_told_it_acts_for_no_tenant(gateway):
+    replica, client = await gateway()
+    for path in ("/v1/chat/completions", "/invocations"):
+        resp = await client.post(path, json=_body_for(path), headers=_key(key=ADMIN))
+        assert resp.status == 401 and "admin key acts for no tenant" in (await resp.json())["error"]["message"]
+    resp = await client.post("/v1/some_new_endpoint", json={}, headers=_key("bolt"))
+    assert resp.status == 403 and "auth.tenant_paths" in (await resp.json())["error"]["message"]
+    assert replica.seen == []
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/invocations", "/tokenize", "/version"])

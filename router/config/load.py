@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from ..endpoints import Kind, kind_of
 from .checks import CHECKS, REMOVED, SHORTHAND, Reject
 from .schema import AuthConfig, ConfigError, GatewayConfig
 
@@ -185,9 +186,14 @@ def _check_keys(auth: AuthConfig) -> None:
     for i, tenant in enumerate(auth.tenants):
         salt = tenant.salt
         if salt in salts:
-            raise ConfigError(f"auth.tenants[{i}].cache_salt: tenant {tenant.name!r} would get the cache salt "
-                              f"{salt!r} of tenant {salts[salt]!r}, and the two would share one KV cache")
+            raise ConfigError(f"auth.tenants[{i}].cache_salt: tenants {salts[salt]!r} and {tenant.name!r} would both "
+                              f"get the cache salt {salt!r} and share one KV cache")
         salts[salt] = tenant.name
+    for i, path in enumerate(auth.tenant_paths):
+        kind = kind_of("POST", path)
+        if kind is not Kind.UNKNOWN:
+            raise ConfigError(f"auth.tenant_paths[{i}]: {path} is an endpoint the gateway knows ({kind.value}); "
+                              "only paths it does not know can be opened to tenants")
 
 
 def config_from_dict(data: Mapping[str, Any]) -> GatewayConfig:
