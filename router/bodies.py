@@ -36,6 +36,7 @@ from .errors import openai_error
 
 __all__ = ["Head", "elements_bound", "head_of", "inflate", "loads", "parse", "read_body", "shape_refusal"]
 
+MAX_MEMBERS = 8  # gzip members read from one body (clients send one); each copies the rest of the body
 # Content-Encoding: zlib's window bits (gzip's header; zlib's, else raw deflate, as aiohttp reads it)
 _WBITS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,), "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
 
@@ -68,13 +69,17 @@ async def read_body(request: web.Request, limits: LimitsConfig) -> bytes | web.R
 
 
 def inflate(raw: bytes, encoding: str, limit: int) -> bytes | web.Response:
-    """``raw`` decompressed (``encoding``: gzip or deflate; gzip members one after another, as
-    RFC 1952 allows), never past ``limit`` bytes: the 413 past it, the 400 for data that is not
-    what the encoding says."""
+    """``raw`` decompressed (``encoding``: gzip or deflate; up to MAX_MEMBERS gzip members one
+    after another, as RFC 1952 allows), never past ``limit`` bytes: the 413 past it, the 400 for
+    data that is not what the encoding says, or for more members (each costs a Python step: a
+    body of empty members would hold the loop)."""
     for wbits in _WBITS[encoding]:
-        out, rest = bytearray(), raw
+        out, rest, members = bytearray(), raw, 0
         try:
             while rest:
+                members += 1
+                if members > MAX_MEMBERS:
+                    raise zlib.error("too many members")
                 inflater = zlib.decompressobj(wbits)
                 out += inflater.decompress(rest, limit + 1 - len(out))
                 if len(out) > limit or inflater.unconsumed_tail:

@@ -172,3 +172,13 @@ async def test_a_compressed_body_is_inflated_no_further_than_the_limit(aiohttp_c
         assert (await client.post("/v1/chat/completions", data=data, headers={"Content-Encoding": encoding})).status == 200
     resp = await client.post("/v1/chat/completions", data=body, headers={"Content-Encoding": "br"})
     assert resp.status == 415 and (await resp.json())["error"]["type"] == "UnsupportedMediaTypeError"
+
+
+def test_a_body_of_many_gzip_members_is_refused_after_a_few():
+    import gzip
+
+    from router.bodies import MAX_MEMBERS, inflate
+
+    assert inflate(gzip.compress(b'{"a":1}') * MAX_MEMBERS, "gzip", 1000) == b'{"a":1}' * MAX_MEMBERS
+    refused = inflate(gzip.compress(b"") * 1_000_000, "gzip", 32 << 20)  # a member a 20 bytes: a Python step each
+    assert refused.status == 400
