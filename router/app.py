@@ -17,21 +17,20 @@ import asyncio
 import contextlib
 import logging
 import time
-
 from http import HTTPStatus
 
 import aiohttp
 from aiohttp import web, web_protocol, web_server
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from .bodies import loads
 from .cacheview import follow_events
 from .config import GatewayConfig
 from .dialects import MESSAGES, RESPONSES
-from .endpoints import Kind
 from .discovery import discover_once, poll_dns
+from .endpoints import Kind
 from .errors import error_body, openai_error
 from .gateway import Gateway
-from .bodies import loads
 from .passthrough import REPLICAS_HEADER, handle_passthrough
 from .proxy import handle_generate
 from .replicas import check_all, poll_health, poll_metrics, scrape_once
@@ -77,7 +76,7 @@ class _JsonErrorHandler(web_protocol.RequestHandler):
                      message: str | None = None) -> web.StreamResponse:
         super().handle_error(request, status, exc, message)  # logs it; raises if the answer had begun
         text = message if message and status < 500 else HTTPStatus(status).phrase
-        response = web.json_response(error_body(status, f"{text[:200]}"), status=status)
+        response = web.json_response(error_body(status, text[:200]), status=status)
         response.force_close()
         return response
 
