@@ -13,14 +13,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .config import RoutingConfig
+from .index import ShadowIndex
 
-if TYPE_CHECKING:  # the policy imports this module
-    from .policy import ReplicaView
-
-__all__ = ["SHARE_DIGITS", "SHARE_TOLERANCE", "Bounds", "load_bound", "in_flight_regime", "within_bound"]
+__all__ = ["SHARE_DIGITS", "SHARE_TOLERANCE", "Bounds", "ReplicaView", "load_bound", "in_flight_regime", "within_bound"]
 
 # Decayed shares carry noise in their last bits: requests milliseconds apart weigh 2 **
 # (dt / half_life_s) apart, which even a half-life of 1e9 s leaves above 1e-12, so two instances
@@ -69,6 +66,19 @@ def in_flight_regime(total: int, replicas: int, load_factor: float, slack: int) 
 def within_bound(load: float, bound: int) -> bool:
     """Whether a replica with ``load`` requests may take one more (``load_bound``)."""
     return load + 1 <= bound
+
+
+@dataclass(slots=True)
+class ReplicaView:
+    """What a policy may know of one routable (healthy) replica."""
+
+    name: str
+    load: int  # requests in flight on it, counted at send (``ReplicaState.routing_load``)
+    shadow: ShadowIndex
+    recent: float = 0.0  # requests sent to it lately, decayed (``ReplicaState.recent_share``)
+    prefill: int = 0  # prompt blocks queued for prefill on it (``ReplicaState.prefill_blocks``)
+    # ``shadow`` is the engine's own picture (fresh KV events), which every gateway instance reads
+    engine: bool = False
 
 
 @dataclass(frozen=True, slots=True)

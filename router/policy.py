@@ -128,9 +128,9 @@ from functools import partial
 import xxhash
 
 from .blocks import BlockHash
-from .bounds import SHARE_TOLERANCE, Bounds, within_bound
+from .bounds import SHARE_TOLERANCE, Bounds, ReplicaView, within_bound
 from .config import RoutingConfig
-from .index import BranchStats, PrefixDemand, ShadowIndex
+from .index import BranchStats, PrefixDemand
 from .ring import Ring
 
 __all__ = ["Route", "ReplicaView", "Decision", "PrefixAffinityPolicy", "RoundRobinPolicy",
@@ -150,19 +150,6 @@ class Route(str, enum.Enum):
     # Not the policy's: the proxy's label for an attempt after the first replica failed (the
     # policy chose again among the replicas not tried yet; router/forward.py)
     RETRY = "retry"
-
-
-@dataclass(slots=True)
-class ReplicaView:
-    """What a policy may know of one routable (healthy) replica."""
-
-    name: str
-    load: int  # requests in flight on it, counted at send (``ReplicaState.routing_load``)
-    shadow: ShadowIndex
-    recent: float = 0.0  # requests sent to it lately, decayed (``ReplicaState.recent_share``)
-    prefill: int = 0  # prompt blocks queued for prefill on it (``ReplicaState.prefill_blocks``)
-    # ``shadow`` is the engine's own picture (fresh KV events), which every gateway instance reads
-    engine: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -316,9 +316,3 @@ def run(args: argparse.Namespace) -> int:
         return 1
     shutil.rmtree(log_dir, ignore_errors=True)  # nothing to look at: leave nothing behind
     return 0
-
-
-if __name__ == "__main__":
-    from ..cli import main
-
-    sys.exit(main(["demo", *sys.argv[1:]]))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import random
 
-from .workloads import CHAT, ReplayRequest
+from .request import CHAT, ReplayRequest
 
 __all__ = ["builtin_workload", "WORKLOADS"]
 

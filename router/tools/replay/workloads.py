@@ -30,32 +30,17 @@ from __future__ import annotations
 import ast
 import json
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ReplayRequest", "load_mooncake", "load_trajectories", "load_request_log", "mooncake_block_tokens",
-           "load_workload", "token_text"]
+from .generate import builtin_workload
+from .request import CHAT, COMPLETIONS, ReplayRequest
+
+__all__ = ["CHAT", "COMPLETIONS", "ReplayRequest", "load_mooncake", "load_trajectories", "load_request_log",
+           "mooncake_block_tokens", "load_workload", "token_text"]
 
 log = logging.getLogger(__name__)
-
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-
-
-@dataclass(slots=True)
-class ReplayRequest:
-    """One request to send: ``path`` and the body without ``model`` and ``stream``."""
-
-    path: str
-    body: dict
-    at_s: float = 0.0  # send time (or session start), modelled seconds from the replay's start
-    session: str | None = None  # turns of one session go out one after another
-    turn: int = 0
-    think_s: float = 0.0  # wait after the previous turn's response, modelled seconds
-    meta: dict = field(default_factory=dict)  # e.g. the Mooncake hash_ids, for offline checks
-
 
 def mooncake_block_tokens(hash_id: int, block_size: int, vocab_size: int) -> np.ndarray:
     """The fixed token ids of Mooncake block ``hash_id``: ``block_size`` ids in [100, vocab).
@@ -270,8 +255,6 @@ def load_workload(trace: str | None, *, workload: str = "mixed", limit: int | No
     """Pick a loader by file: ``.traj`` or a folder of them, a request log (JSONL of request
     bodies), a Mooncake ``.jsonl``, else the built-in workload."""
     if trace is None:
-        from .generate import builtin_workload
-
         requests = builtin_workload(workload, seed=seed)
     else:
         path = Path(trace)
