@@ -69,10 +69,10 @@ VOLATILE_SPANS = (
     r"|\d+(?:\.\d+)?")  # counters, epoch seconds, any number
 VOLATILE = re.compile(r"(?=[\da-fA-F])(?:" + VOLATILE_SPANS + ")")
 # Characters of new message text one request's fingerprint masks and parses as JSON: the
-# regular expression and the parser hold the GIL (about 0.15 s a MB of text), so one hostile
-# message of 30 MB would hold the event loop for seconds and build ~1 GB of pieces. Text past
-# it is hashed as it is: a change there reads as a rewrite, not as a volatile value or a
-# reordering. Real turns add far less (an agent's tool output is tens of KB).
+# regular expression and the parser hold the GIL, so one hostile message of 30 MB held the event
+# loop for seconds (bench/results/hostile-bodies.md, the text rows). Text past it is hashed as
+# it is: a change there reads as a rewrite, not as a volatile value or a reordering. Real turns
+# add far less (an agent's tool output is tens of KB).
 PRINT_BUDGET_CHARS = 256 * 1024
 
 

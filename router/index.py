@@ -63,8 +63,8 @@ class ShadowIndex:
         evicts the least recently freed, so under pressure a prefix loses its tail, never its
         head. Returns the hashes that were not there before (to ``forget`` if the request failed).
         A chain longer than the capacity is cut to it first: its head is what the capacity
-        would keep anyway, and a hostile 30 MB prompt's 470,000 character blocks cost the event
-        loop ~0.7 s to insert and evict one by one.
+        would keep anyway, and inserting and evicting a huge prompt's blocks one by one held the
+        event loop (``bench/results/hostile-bodies.md``, the text rows).
         """
         blocks = self._blocks
         added = []
