@@ -59,7 +59,7 @@ from .replicas import ReplicaState
 from .response_homes import response_id_of_stream
 from .tenants import IsolationError
 
-__all__ = ["REPLICAS_HEADER", "handle_passthrough", "home_of", "isolated", "refusal"]
+__all__ = ["REPLICAS_HEADER", "handle_passthrough", "home_of", "isolated"]
 
 REPLICAS_HEADER = "x-prefix-router-replicas"  # a fan-out's per-replica statuses: "a:8000=200,b:8000=200"
 
@@ -71,7 +71,7 @@ async def handle_passthrough(request: web.Request, gw: Gateway, payload: bytes |
     over, already isolated: ``inbound.Inbound``)."""
     path, method = request.path, request.method
     kind = kind_of(method, path, gw.config.auth.tenant_paths)
-    refused = refusal(request, gw, method, path, kind)
+    refused = gw.tenants.refusal(request, kind, method, path)
     if refused is not None:
         return refused
     tenant = gw.tenants.tenant_of(request) if gw.tenants.enabled else None
@@ -106,13 +106,6 @@ async def handle_passthrough(request: web.Request, gw: Gateway, payload: bytes |
     if not candidates:
         return openai_error(503, "no healthy replica", type_="ServiceUnavailableError")
     return await _forward(request, gw, raw, headers, candidates, learn_id=path == "/v1/responses", owner=owner)
-
-
-def refusal(request, gw: Gateway, method: str, path: str, kind: Kind | None = None) -> web.Response | None:
-    """The 401 or 403 for a request to ``method path`` without the key it needs
-    (``Tenants.refusal``), else None. ``request``: anything with the client's ``headers``."""
-    kind = kind or kind_of(method, path, gw.config.auth.tenant_paths)
-    return gw.tenants.refusal(request, kind, method, path)
 
 
 def isolated(gw: Gateway, tenant, raw: bytes, head: Head | None, path: str) -> bytes | web.Response:
