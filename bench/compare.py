@@ -5,7 +5,7 @@ in round-robin mode, vllm-router's ``cache_aware``, ``consistent_hash`` and ``po
 sglang-router's ``cache_aware``), on fresh simulated replicas so that no system inherits another's
 cache: start the replicas and the system, replay the workload time-compressed, then read every
 replica's own counters. Each replica models an 80 GB GPU serving an 8B model (28,000 blocks of
-16 tokens, the simulator's default, ``router/tools/sim/config.py``).
+16 tokens, the simulator's default, ``prefix_router/tools/sim/config.py``).
 
 Workloads (the matrix of issue 14): the Mooncake conversation and synthetic traces (``--traces``;
 sent as text prompts, ``load_mooncake(text=True)``, because sglang-router refuses token-id
@@ -56,11 +56,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.tools.launch import find_vllm_python, running, sim_server
-from router.tools.replay.client import replay
-from router.tools.replay.generate import builtin_workload
-from router.tools.replay.summary import percentile, summarize
-from router.tools.replay.workloads import load_mooncake
+from prefix_router.tools.launch import find_vllm_python, running, sim_server
+from prefix_router.tools.replay.client import replay
+from prefix_router.tools.replay.generate import builtin_workload
+from prefix_router.tools.replay.summary import percentile, summarize
+from prefix_router.tools.replay.workloads import load_mooncake
 
 from .fleet import ROOT, ROUTES, metric_sum, pinned, scrape, tiny_tokenizer
 from .peers import PEER_PACKAGES, SYSTEMS, System, ensure_peers

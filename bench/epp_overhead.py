@@ -23,8 +23,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from router.tools.launch import envoy_server, epp_server, gateway_server, running, sim_server
-from router.tools.replay.summary import percentile
+from prefix_router.tools.launch import envoy_server, epp_server, gateway_server, running, sim_server
+from prefix_router.tools.replay.summary import percentile
 
 from .fleet import ROOT, tiny_tokenizer, write_report
 from .gateway_overhead import conversations, fixed_rate

@@ -1,4 +1,4 @@
-"""Fleets for the benchmarks: simulated replicas and a gateway on loopback (``router/tools/launch.py``)."""
+"""Fleets for the benchmarks: simulated replicas and a gateway on loopback (``prefix_router/tools/launch.py``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-from router.tools.launch import Server, build_tiny_model, free_port, gateway_server, running, sim_server
-from router.metrics import sample_sum
-from router.policy import Route
+from prefix_router.tools.launch import Server, build_tiny_model, free_port, gateway_server, running, sim_server
+from prefix_router.metrics import sample_sum
+from prefix_router.routing.decision import Route
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "agent_traces"  # SWE-agent trajectories, where this clone has them
@@ -60,10 +60,13 @@ def tiny_tokenizer(traces: bool) -> Path:
 
 def tree_gateway(tree: Path, replicas: list[str], log_dir: Path, tokenizer: Path) -> Server:
     """This gateway as the source tree ``tree`` has it (a ``git worktree`` of another commit, or
-    this clone): started with ``tree`` as its working directory, so ``python -m router.cli``
-    imports that tree's ``router``; policy prefix-affinity, the tokenizer in ``tokenizer``."""
+    this clone): started with ``tree`` as its working directory, so ``python -m <package>.cli``
+    imports that tree's package (``router`` before issue 40 renamed it ``prefix_router``); policy
+    prefix-affinity, the tokenizer in ``tokenizer``."""
     server = gateway_server(log_dir, replicas, ["--policy", "prefix-affinity", "--tokenizer", str(tokenizer)])
-    return dataclasses.replace(server, cwd=tree)
+    package = "prefix_router" if (tree / "prefix_router").is_dir() else "router"
+    cmd = [package + ".cli" if part == "prefix_router.cli" else part for part in server.cmd]
+    return dataclasses.replace(server, cmd=cmd, cwd=tree)
 
 
 def commit_of(tree: Path) -> str:

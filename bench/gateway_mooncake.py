@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from router.tools.replay.client import replay
-from router.tools.replay.summary import summarize
-from router.tools.replay.workloads import load_mooncake
+from prefix_router.tools.replay.client import replay
+from prefix_router.tools.replay.summary import summarize
+from prefix_router.tools.replay.workloads import load_mooncake
 
 from .fleet import ROOT, ROUTES, fleet, gateway, metric_sum, scrape
 from .pooled import pooled_hit_rate

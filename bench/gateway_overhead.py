@@ -15,7 +15,7 @@ previous turn, as in agent and chat traffic):
 
     python -m bench.gateway_overhead [--rate 100] [--seconds 10] [--sizes 1000,8000,32000]
 
-The tokenizer is the byte-level BPE of the real-engine tier (``router/tools/tiny_model.py``,
+The tokenizer is the byte-level BPE of the real-engine tier (``prefix_router/tools/tiny_model.py``,
 built into ``.cache/tiny-tokenizer`` if missing). Writes ``bench/results/gateway_overhead.json``.
 """
 
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import aiohttp
 
-from router.tools.launch import build_tiny_model
-from router.tools.replay.summary import percentile
+from prefix_router.tools.launch import build_tiny_model
+from prefix_router.tools.replay.summary import percentile
 
 from .fleet import ROOT, fleet, gateway
 
@@ -110,12 +110,13 @@ async def fixed_rate(url: str, requests: list[list[dict]], rate: float) -> list[
 
 def decision_times(requests, tokenizer_dir: Path) -> dict:
     """Per-request analyze+select time (incremental tokenizer) and a full tokenization's time."""
-    from router.config import RoutingConfig
-    from router.index import BranchStats, ShadowIndex
-    from router.policy import PrefixAffinityPolicy, ReplicaView
-    from router.prompts import analyze
-    from router.ring import Ring
-    from router.tokenizer import HFTokenizer, normalize_messages
+    from prefix_router.config import RoutingConfig
+    from prefix_router.cache.index import BranchStats, ShadowIndex
+    from prefix_router.routing.bounds import ReplicaView
+    from prefix_router.routing.policy import PrefixAffinityPolicy
+    from prefix_router.prompts.analysis import analyze
+    from prefix_router.routing.ring import Ring
+    from prefix_router.prompts.tokenizer import HFTokenizer, normalize_messages
 
     tok = HFTokenizer(str(tokenizer_dir))
     ring = Ring(160)

@@ -30,9 +30,9 @@ import urllib.request
 from pathlib import Path
 
 from bench.fleet import commit_of, write_report
-from router.bodies import elements_bound
-from router.config import LimitsConfig
-from router.tools.launch import gateway_server, running, sim_server
+from prefix_router.serve.bodies import elements_bound
+from prefix_router.config import LimitsConfig
+from prefix_router.tools.launch import gateway_server, running, sim_server
 
 MODEL = "sim"
 SHAPES = {"lists": b"[],", "objects": b"{},", "strings": b'"ab",', "numbers": b"123456,"}

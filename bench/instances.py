@@ -1,12 +1,12 @@
 """Several gateway instances behind a round-robin client: with the replicas' KV events, and without.
 
 Each instance sees every Nth request and, without events, learns only from those; with events
-(``router/kvevents.py``) every instance reads every replica's cache as its engine reports it. For
+(``prefix_router/cache/events.py``) every instance reads every replica's cache as its engine reports it. For
 each workload and run, on fresh simulated replicas publishing vLLM's events
 (``--kv-events-config``): one gateway and ``--instances`` gateways, events on and off, the same
 requests replayed without session ids (a client that names no conversation: the case where the
 instances' own pictures matter most). Gateways and replicas share the tiny tokenizer
-(``router/tools/tiny_model.py``), so prompts are cut into exact token blocks, as events need.
+(``prefix_router/tools/tiny_model.py``), so prompts are cut into exact token blocks, as events need.
 
 Workloads: the built-in mixed workload (multi-turn chats and agents sharing system prompts and
 tools), a dozen agent sessions (``bench.compare``'s), and SGLang's generated-shared-prefix shape
@@ -34,9 +34,9 @@ import statistics
 import time
 from pathlib import Path
 
-from router.tools.launch import running, sim_server, gateway_server
-from router.tools.replay.client import replay
-from router.tools.replay.generate import builtin_workload
+from prefix_router.tools.launch import running, sim_server, gateway_server
+from prefix_router.tools.replay.client import replay
+from prefix_router.tools.replay.generate import builtin_workload
 
 from .fleet import ROOT, metric_sum, scrape, tiny_tokenizer
 from .shapes import generated_shared_prefix

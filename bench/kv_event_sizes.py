@@ -1,5 +1,5 @@
 """How large a KV event batch one vLLM engine step can publish: the figures behind the gateway's
-per-message cap (``router/kvstream.py``, ``MAX_MESSAGE_BYTES``).
+per-message cap (``prefix_router/cache/stream.py``, ``MAX_MESSAGE_BYTES``).
 
 Run with vLLM's own environment, never the gateway's (the gateway does not import vllm)::
 
@@ -35,7 +35,7 @@ SESSION = "session-0123456789abcdef"  # BlockStored.session_id (Request.session_
 LORA = "sql-adapter-v2"
 SALT = "tenant-0123456789abcdef"
 MM_ID = hashlib.sha256(b"an image").hexdigest()  # MultiModalFeatureSpec.identifier: a hex digest
-CAP = 4 << 20  # router/kvstream.py MAX_MESSAGE_BYTES, chosen from these figures (not imported: another venv)
+CAP = 4 << 20  # prefix_router/cache/stream.py MAX_MESSAGE_BYTES, chosen from these figures (not imported: another venv)
 
 _rng = random.Random(0)
 
@@ -119,7 +119,7 @@ def main() -> None:
         tokens = int(label.split(" ")[0].replace(",", ""))
         out.write(f"| {label} | {shape} | {kw_label} | {size:,} | {size / tokens:.1f} |\n")
     out.write(f"\nLargest: {largest:,} bytes ({largest / 2**20:.2f} MiB). The gateway's cap, "
-              f"`router/kvstream.py` `MAX_MESSAGE_BYTES`, is {CAP >> 20} MiB: {CAP / largest:.1f}x that.\n\n")
+              f"`prefix_router/cache/stream.py` `MAX_MESSAGE_BYTES`, is {CAP >> 20} MiB: {CAP / largest:.1f}x that.\n\n")
     out.write("Past the cap: `kv_cache_report_mode=full` (a request's `vllm_xargs`) makes the scheduler publish a "
               "request's whole cached prefix as stored again when it is scheduled "
               "(`KVCacheManager.get_computed_blocks` -> `BlockPool.emit_cached_block_events`), "

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import aiohttp
 
-from router.tools.launch import Server, free_port, gateway_server, running
-from router.tools.replay.summary import percentile
+from prefix_router.tools.launch import Server, free_port, gateway_server, running
+from prefix_router.tools.replay.summary import percentile
 
 from .fleet import ROOT
 from .peers import cpu_seconds
@@ -69,7 +69,7 @@ def _memory_mib(pid: int) -> dict[str, float]:
 def _sim(log_dir: Path, connections: int, replicas: int) -> Server:
     per = connections // replicas + 1
     port = free_port()
-    return Server([sys.executable, "-m", "router.cli", "sim", "--host", "127.0.0.1", "--port", str(port),
+    return Server([sys.executable, "-m", "prefix_router.cli", "sim", "--host", "127.0.0.1", "--port", str(port),
                    "--model", MODEL, "--max-num-seqs", str(4 * per), "--max-num-batched-tokens", str(1 << 22),
                    "--decode-ms-per-token", "1000", "--num-blocks", "200000", "--max-model-len", "4096"],
                   port, log_dir / f"sim-{port}.log")

@@ -12,7 +12,7 @@ rate, direct first, then every system, one after another in the same run, so eac
 latency is a difference of neighbours on the same machine.
 
 This gateway runs as deployed in front of real vLLM: with a Hugging Face tokenizer (the tiny
-BPE of ``router/tools/tiny_model.py``), rendering the chat template and hashing exact token blocks;
+BPE of ``prefix_router/tools/tiny_model.py``), rendering the chat template and hashing exact token blocks;
 the peers hash text and need none. Per system and rate: added TTFT p50/p99 (system minus
 direct), and CPU seconds of the router's process per 1,000 requests (``/proc/PID/stat``).
 """
@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from router.tools.launch import running, sim_server
-from router.tools.replay.summary import percentile
+from prefix_router.tools.launch import running, sim_server
+from prefix_router.tools.replay.summary import percentile
 
 from .fleet import tiny_tokenizer
 from .gateway_overhead import MODEL, chat_mix, fixed_rate

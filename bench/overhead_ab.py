@@ -22,8 +22,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from router.tools.launch import Server, free_port, running, sim_server
-from router.tools.replay.summary import percentile
+from prefix_router.tools.launch import Server, free_port, running, sim_server
+from prefix_router.tools.replay.summary import percentile
 
 from .fleet import ROOT, commit_of, tiny_tokenizer, tree_gateway, write_report
 from .gateway_overhead import chat_mix, fixed_rate

@@ -33,7 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from router.tools.launch import running, sim_server
+from prefix_router.tools.launch import running, sim_server
 
 from .fleet import ROOT, commit_of, tiny_tokenizer, tree_gateway, write_report
 from .gateway_overhead import chat_mix, fixed_rate

@@ -37,7 +37,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from router.tools.launch import running, sim_server
+from prefix_router.tools.launch import running, sim_server
 
 from .fleet import ROOT, pinned, tiny_tokenizer, write_report
 from .gateway_overhead import MODEL, conversations, staggered

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.tools.launch import Server, free_port, gateway_server
+from prefix_router.tools.launch import Server, free_port, gateway_server
 
 __all__ = ["PEER_PACKAGES", "System", "SYSTEMS", "ensure_peers", "cpu_seconds"]
 

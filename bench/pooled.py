@@ -1,7 +1,7 @@
 """The pooled-cache bound: the token hit rate no router can beat on a given replay.
 
 One KV cache with the fleet's total capacity serves the requests one after another, under the
-simulator's own cache rules (``router/tools/sim/kv_cache.py``, vLLM's ``KVCacheManager``: longest
+simulator's own cache rules (``prefix_router/tools/sim/kv_cache.py``, vLLM's ``KVCacheManager``: longest
 cached prefix of full blocks, the request's blocks held while it runs, freed tail first, LRU
 eviction). A fleet of replicas can only split that cache, and concurrency only adds pressure,
 so a router's hit rate divided by this bound says how much of the reachable reuse it kept.
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.blocks import block_hashes, seed_hash
-from router.tools.replay.workloads import ReplayRequest
-from router.tools.sim.config import SimConfig
-from router.tools.sim.kv_cache import KVCache
-from router.tools.sim.requests import parse_chat
-from router.tokenizer import ByteTokenizer, PromptTokenizer
+from prefix_router.cache.blocks import block_hashes, seed_hash
+from prefix_router.tools.replay.workloads import ReplayRequest
+from prefix_router.tools.sim.config import SimConfig
+from prefix_router.tools.sim.kv_cache import KVCache
+from prefix_router.tools.sim.requests import parse_chat
+from prefix_router.prompts.tokenizer import ByteTokenizer, PromptTokenizer
 
 __all__ = ["pooled_hit_rate", "prompt_token_ids", "spread_hit_rate", "unbounded_hit_rate"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 
-from router.tools.replay.workloads import CHAT, COMPLETIONS, ReplayRequest, token_text
+from prefix_router.tools.replay.workloads import CHAT, COMPLETIONS, ReplayRequest, token_text
 
 __all__ = ["generated_shared_prefix", "one_system_prompt"]
 

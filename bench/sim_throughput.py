@@ -86,7 +86,7 @@ def main() -> int:
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    sim = subprocess.Popen(_pinned([sys.executable, "-m", "router.cli", "sim", "--port", str(port),
+    sim = subprocess.Popen(_pinned([sys.executable, "-m", "prefix_router.cli", "sim", "--port", str(port),
                                     "--model", "sim", "--time-scale", str(args.time_scale)], 0),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     try:

@@ -4,7 +4,7 @@ Its datasets are traffic this project did not write: ``prefix_repetition`` (a fe
 prefixes, each reused by many single-turn requests with a suffix of their own: RAG over shared
 documents, few-shot and templated prompts) and ``random`` with ``--random-prefix-len`` (one
 prefix shared by every request). It runs from the vLLM CPU environment (``make vllm-env``),
-which has no GPU and needs none for the client; the tokenizer is ``router/tools/tiny_model.py``'s,
+which has no GPU and needs none for the client; the tokenizer is ``prefix_router/tools/tiny_model.py``'s,
 built locally (nothing is downloaded). The client counts tokens with that tokenizer and sends
 text; the simulated replicas count 4 bytes a token, so lengths differ from the flags while the
 sharing between prompts, which is what routing sees, is the dataset's.

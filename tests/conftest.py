@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.tools.sim.config import SimConfig
-from router.tools.sim.server import create_app as create_sim
-from router.tokenizer import ByteTokenizer
+from prefix_router.tools.sim.config import SimConfig
+from prefix_router.tools.sim.server import create_app as create_sim
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from .helpers import MODEL
 

@@ -8,8 +8,8 @@ import random
 import shutil
 from pathlib import Path
 
-from router.metrics import sample_sum
-from router.tokenizer import HFTokenizer
+from prefix_router.metrics import sample_sum
+from prefix_router.prompts.tokenizer import HFTokenizer
 
 MODEL = "sim"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
@@ -51,7 +51,7 @@ def agent_traces(tmp_dir: Path) -> list[Path]:
     shared = sorted((SHARED / "agent_traces").glob("*.traj"))
     if shared:
         return shared
-    from router.tools.replay.generate import builtin_workload
+    from prefix_router.tools.replay.generate import builtin_workload
 
     last: dict[str, dict] = {}
     for request in builtin_workload("agent", seed=0):

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from router.tools.audit import audit
-from router.causes import FIXES
-from router.tokenizer import ByteTokenizer
+from prefix_router.tools.audit import audit
+from prefix_router.misses.diagnosis import FIXES
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from .test_causes import BREAK_AT, plant, sessions
 
@@ -46,7 +46,7 @@ def found(report: dict) -> dict[str, list[tuple[int, str, int]]]:
 def test_the_audit_names_every_planted_break_and_no_other(tmp_path):
     path = tmp_path / "requests.jsonl"
     planted = write_log(path)
-    out = subprocess.run([sys.executable, "-m", "router.cli", "audit", str(path), "--json"],
+    out = subprocess.run([sys.executable, "-m", "prefix_router.cli", "audit", str(path), "--json"],
                          capture_output=True, text=True, check=True)
     report = json.loads(out.stdout)
     assert found(report) == planted
@@ -57,7 +57,7 @@ def test_the_audit_names_every_planted_break_and_no_other(tmp_path):
         else:
             assert c["reused_if_fixed"] == c["reused_tokens"]
     assert report["totals"]["breaks"] == sum(len(b) for b in planted.values())
-    text = subprocess.run([sys.executable, "-m", "router.cli", "audit", str(path)],
+    text = subprocess.run([sys.executable, "-m", "prefix_router.cli", "audit", str(path)],
                           capture_output=True, text=True, check=True).stdout
     for cause in {b[1] for breaks in planted.values() for b in breaks}:
         assert cause in text and FIXES[cause] in text
@@ -110,7 +110,7 @@ def test_exact_token_positions_lie_inside_the_changed_message(tmp_path):
 def test_a_gateway_request_log_without_bodies_is_refused_with_the_reason(tmp_path):
     path = tmp_path / "requests.jsonl"
     path.write_text(json.dumps({"t": 1.0, "replica": "a:1", "status": 200, "result": "hit"}) + "\n")
-    out = subprocess.run([sys.executable, "-m", "router.cli", "audit", str(path)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "prefix_router.cli", "audit", str(path)], capture_output=True, text=True)
     assert out.returncode == 2 and "request_log_bodies" in out.stderr
     path.write_text("{not json\n")
     with pytest.raises(ValueError, match=":1: not JSON"):

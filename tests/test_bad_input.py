@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from router.constants import REPLICA_HEADER
+from prefix_router.constants import REPLICA_HEADER
 
 from .helpers import MODEL
 from .test_gateway import gateway  # noqa: F401 (fixture)
@@ -54,7 +54,7 @@ async def test_bodies_that_are_not_a_json_object_get_a_400(fleet, gateway, raw):
 
 
 async def test_unknown_paths_and_methods_get_the_replicas_own_404_and_405(fleet, gateway):
-    # Paths the gateway has no handler for go to a replica (router/passthrough.py): a later vLLM's
+    # Paths the gateway has no handler for go to a replica (prefix_router/serve/passthrough.py): a later vLLM's
     # endpoints work through it, and a client sees what vLLM would have said.
     client = await gateway(await fleet(1))
     resp = await client.post("/v1/embeddingz", json={})
@@ -88,7 +88,7 @@ async def test_an_unknown_model_gets_a_404_in_vllms_words(fleet, gateway):
 
 
 async def test_odd_tools_and_tool_calls_never_break_the_gateways_fingerprints(fleet, gateway):
-    # The gateway fingerprints every conversation's messages and tools (router/causes.py);
+    # The gateway fingerprints every conversation's messages and tools (prefix_router/misses/diagnosis.py);
     # what it cannot read there must be the replica's to judge, never a 500 from here.
     client = await gateway(await fleet(1))
     messages = [{"role": "user", "content": "hi"},
@@ -156,7 +156,7 @@ def test_routing_a_huge_prompt_without_a_tokenizer_takes_memory_in_proportion_to
     characters once took a list of 5 million ints and an array of as many 8-byte integers."""
     import tracemalloc
 
-    from router.prompts import analyze
+    from prefix_router.prompts.analysis import analyze
 
     body = {"model": MODEL, "messages": [{"role": "user", "content": "abcdefgh" * 625_000}]}
     tracemalloc.start()

@@ -18,9 +18,9 @@ from bench.peers import SYSTEMS, ensure_peers
 from bench.pooled import pooled_hit_rate, prompt_token_ids, spread_hit_rate, unbounded_hit_rate
 from bench.shapes import generated_shared_prefix, one_system_prompt
 from bench.vllm_bench import VllmBenchShape, shape_bound
-from router.tools.replay.client import Record
-from router.tools.replay.generate import builtin_workload
-from router.tools.replay.workloads import ReplayRequest
+from prefix_router.tools.replay.client import Record
+from prefix_router.tools.replay.generate import builtin_workload
+from prefix_router.tools.replay.workloads import ReplayRequest
 
 PLOTS = ("ttft.png", "reused_per_replica.png", "hit_rate_over_time.png", "overhead.png")
 

@@ -8,11 +8,11 @@ from bench.overhead_profile import REST, active, parse_raw, shares, top_frames
 
 # py-spy 0.4 ``record -f raw``: one stack a line, outermost frame first, then its sample count
 RAW = """\
-<module> (router/cli.py:1);handle_generate (router/proxy.py:55);route (router/proxy.py:80);_analysis (router/proxy.py:121);_analyze (router/proxy.py:140);analyze (router/prompts.py:90);HFTokenizer.render_chat_tokens (router/tokenizer.py:160);HFTokenizer.tokens (router/tokenizer.py:210);HFTokenizer.encode (router/tokenizer.py:148) 6
-<module> (router/cli.py:1);handle_generate (router/proxy.py:55);route (router/proxy.py:80);_analysis (router/proxy.py:121);_analyze (router/proxy.py:140);analyze (router/prompts.py:90);HFTokenizer._render (router/tokenizer.py:187) 2
-<module> (router/cli.py:1);handle_generate (router/proxy.py:58);forward (router/forward.py:90);relay (router/relay.py:200);StreamWriter._writelines (aiohttp/http_writer.py:116) 3
-<module> (router/cli.py:1);handle_generate (router/proxy.py:58);forward (router/forward.py:90);relay (router/relay.py:200);StreamWriter._writelines (aiohttp/http_writer.py:118) 1
-<module> (router/cli.py:1);run_app (aiohttp/web.py:502) 8
+<module> (prefix_router/cli.py:1);handle_generate (prefix_router/serve/proxy.py:55);route (prefix_router/serve/proxy.py:80);_analysis (prefix_router/serve/proxy.py:121);_analyze (prefix_router/serve/proxy.py:140);analyze (prefix_router/prompts/analysis.py:90);HFTokenizer.render_chat_tokens (prefix_router/prompts/tokenizer.py:160);HFTokenizer.tokens (prefix_router/prompts/tokenizer.py:210);HFTokenizer.encode (prefix_router/prompts/tokenizer.py:148) 6
+<module> (prefix_router/cli.py:1);handle_generate (prefix_router/serve/proxy.py:55);route (prefix_router/serve/proxy.py:80);_analysis (prefix_router/serve/proxy.py:121);_analyze (prefix_router/serve/proxy.py:140);analyze (prefix_router/prompts/analysis.py:90);HFTokenizer._render (prefix_router/prompts/tokenizer.py:187) 2
+<module> (prefix_router/cli.py:1);handle_generate (prefix_router/serve/proxy.py:58);forward (prefix_router/serve/forward.py:90);relay (prefix_router/serve/relay.py:200);StreamWriter._writelines (aiohttp/http_writer.py:116) 3
+<module> (prefix_router/cli.py:1);handle_generate (prefix_router/serve/proxy.py:58);forward (prefix_router/serve/forward.py:90);relay (prefix_router/serve/relay.py:200);StreamWriter._writelines (aiohttp/http_writer.py:118) 1
+<module> (prefix_router/cli.py:1);run_app (aiohttp/web.py:502) 8
 """
 
 
@@ -37,7 +37,7 @@ def test_self_frames_add_up_over_a_functions_lines():
 
 def test_a_line_without_a_count_is_refused():
     with pytest.raises(ValueError, match="raw"):
-        parse_raw("handle_generate (router/proxy.py:55)\n")
+        parse_raw("handle_generate (prefix_router/serve/proxy.py:55)\n")
 
 
 def test_a_sample_without_python_frames_counts_in_the_total_and_no_part():
@@ -48,10 +48,10 @@ def test_a_sample_without_python_frames_counts_in_the_total_and_no_part():
 
 
 def test_waiting_threads_are_dropped_and_work_in_a_system_call_is_kept():
-    raw = (RAW + "<module> (router/cli.py:1);run_app (aiohttp/web.py:502);epoll_pwait (libc.so.6) 30\n"
+    raw = (RAW + "<module> (prefix_router/cli.py:1);run_app (aiohttp/web.py:502);epoll_pwait (libc.so.6) 30\n"
            "_bootstrap (threading.py:1002);_worker (concurrent/futures/thread.py:81);"
            "pthread_cond_wait@@GLIBC_2.3.2 (libc.so.6);0x7f0aad0a3f16 (libc.so.6) 7\n"
-           "<module> (router/cli.py:1);relay (router/relay.py:200);write (libc.so.6) 5\n")
+           "<module> (prefix_router/cli.py:1);relay (prefix_router/serve/relay.py:200);write (libc.so.6) 5\n")
     kept = active(parse_raw(raw))
     assert sum(n for _, n in kept) == 20 + 5
     assert shares(kept)["forward and relay (aiohttp client and server writes)"] == pytest.approx(9 / 25)

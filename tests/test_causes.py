@@ -1,4 +1,4 @@
-"""``router/causes.py`` on real agent sessions: the SWE-agent trajectories in
+"""``prefix_router/misses/diagnosis.py`` on real agent sessions: the SWE-agent trajectories in
 ``../shared/agent_traces`` (in a clone without that folder, the built-in agent workload's
 sessions), each replayed turn by turn, clean and with one planted break."""
 
@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.causes import VOLATILE, VOLATILE_SPANS, Cause, diagnose, fingerprint
-from router.tools.replay.generate import builtin_workload
-from router.tools.replay.workloads import load_trajectories
+from prefix_router.misses.diagnosis import VOLATILE, VOLATILE_SPANS, Cause, diagnose, fingerprint
+from prefix_router.tools.replay.generate import builtin_workload
+from prefix_router.tools.replay.workloads import load_trajectories
 
 from .helpers import SHARED
 
@@ -132,7 +132,7 @@ def test_a_fingerprint_built_on_the_previous_one_equals_one_built_from_scratch()
 
 
 def test_a_print_built_on_the_previous_one_and_given_digests_equals_one_built_from_scratch():
-    from router.causes import digest, fingerprint
+    from prefix_router.misses.diagnosis import digest, fingerprint
 
     tools = [{"type": "function", "function": {"name": "grep", "parameters": {"b": 1, "a": 2}}}]
     first = {"tools": tools, "messages": [{"role": "system", "content": "at 10:02 today"},
@@ -163,7 +163,7 @@ def test_the_volatile_pattern_masks_what_it_would_mask_without_its_leading_looka
 def test_a_requests_new_text_is_masked_and_parsed_only_up_to_the_budget(monkeypatch):
     """The mask and the JSON parse hold the GIL: a 30 MB message would hold the event loop for
     seconds. Past ``PRINT_BUDGET_CHARS`` of new text a message is hashed as it is."""
-    from router import causes
+    from prefix_router.misses import diagnosis as causes
 
     masked: list[int] = []
 

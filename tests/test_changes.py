@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from router.app import create_app
-from router.tools.audit import audit
-from router.causes import Cause, Change
-from router.changes import ChangeSites, redacted_excerpt
-from router.config import config_from_dict
-from router.tokenizer import ByteTokenizer
+from prefix_router.app import create_app
+from prefix_router.tools.audit import audit
+from prefix_router.misses.diagnosis import Cause, Change
+from prefix_router.misses.change_sites import ChangeSites, redacted_excerpt
+from prefix_router.config import config_from_dict
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from .helpers import MODEL, metric
 from .test_causes import BREAK_AT, plant, sessions

@@ -1,4 +1,4 @@
-"""Loading, merging and validating the gateway configuration (``router/config.py``).
+"""Loading, merging and validating the gateway configuration (``prefix_router/config.py``).
 
 Error tests assert only that the message starts with the key path (or file path, or line), so
 wording can improve without breaking them.
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from router.config import checks as config_checks
-from router.config import (
+from prefix_router.config import checks as config_checks
+from prefix_router.config import (
     POLICIES,
     ConfigError,
     GatewayConfig,

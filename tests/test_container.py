@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from router.constants import REPLICA_HEADER
-from router.tools.launch import free_port
+from prefix_router.constants import REPLICA_HEADER
+from prefix_router.tools.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "deploy" / "docker" / "compose.host.yaml"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.conversations import CacheResult, Conversation, Conversations, classify
+from prefix_router.misses.classify import CacheResult, Conversation, Conversations, classify
 
 BLOCK = 16
 TOOLS, SYSTEM, USER1, ASSISTANT1, USER2 = 900, 901, 902, 903, 904  # stand-in message hashes

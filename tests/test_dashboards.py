@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from router.tools.launch import Server, build_tiny_model, free_port, gateway_server, running, sim_server
-from router.tools.replay.client import replay
-from router.tools.replay.generate import builtin_workload
+from prefix_router.tools.launch import Server, build_tiny_model, free_port, gateway_server, running, sim_server
+from prefix_router.tools.replay.client import replay
+from prefix_router.tools.replay.generate import builtin_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "dashboards" / "prefix-router.json"

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 
-from router.causes import Cause
+from prefix_router.misses.diagnosis import Cause
 
 from .helpers import mooncake_trace
 
@@ -24,7 +24,7 @@ def test_demo_reports_consistent_figures_and_affinity_beats_round_robin(tmp_path
     out = tmp_path / "demo.json"
     scratch = tmp_path / "tmp"  # the demo's temporary folders go here: none may be left behind
     scratch.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "router.cli", "demo", "--limit", "150", "--json", str(out),
+    proc = subprocess.run([sys.executable, "-m", "prefix_router.cli", "demo", "--limit", "150", "--json", str(out),
                            "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TMPDIR": str(scratch)})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -56,7 +56,7 @@ def test_demo_reports_consistent_figures_and_affinity_beats_round_robin(tmp_path
 def test_demo_replays_a_mooncake_trace_without_errors(tmp_path):
     trace = mooncake_trace(tmp_path)  # the shared trace, or one in its format in a clone without it
     out = tmp_path / "demo.json"
-    proc = subprocess.run([sys.executable, "-m", "router.cli", "demo", "--trace", str(trace), "--limit", "40",
+    proc = subprocess.run([sys.executable, "-m", "prefix_router.cli", "demo", "--trace", str(trace), "--limit", "40",
                            "--replicas", "2", "--json", str(out), "--cache-dir", str(tmp_path / "cache")],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]  # token ids the replicas accept

@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from router.config import config_from_dict
+from prefix_router.config import config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBE = ROOT / "deploy" / "kubernetes"
@@ -221,7 +221,7 @@ def test_the_example_overlay_builds_and_validates():
 
 
 def test_the_endpoint_pickers_manifests_are_wired_to_each_other_and_to_the_vllm_pods():
-    from router.epp_server import LIVENESS, READINESS
+    from prefix_router.epp.server import LIVENESS, READINESS
 
     docs = {(d["kind"], d["metadata"]["name"]): d for _, d in resources(KUBE / "epp")}
     pool = docs[("InferencePool", "vllm")]["spec"]

@@ -1,4 +1,4 @@
-"""Responses and Anthropic Messages routed by prefix (router/dialects.py, router/anthropic.py): the chat request each
+"""Responses and Anthropic Messages routed by prefix (prefix_router/prompts/responses.py, prefix_router/prompts/anthropic.py): the chat request each
 is read as, their streams and usage, and the histories behind ``previous_response_id``.
 
 That the chat request is the one vLLM renders is checked against vLLM's own render endpoints in
@@ -15,14 +15,14 @@ import json
 import pytest
 from aiohttp import web
 
-from router.app import GATEWAY, create_app
-from router.config import config_from_dict
-from router.constants import REPLICA_HEADER
-from router.anthropic import merges_inline_system, messages_prompt
-from router.dialects import MESSAGES, RESPONSES, Events, chat_usage, responses_prompt
-from router.response_homes import ResponseHomes
-from router.tokenizer import ByteTokenizer
-from router.tools.tiny_model import CHAT_TEMPLATE
+from prefix_router.app import GATEWAY, create_app
+from prefix_router.config import config_from_dict
+from prefix_router.constants import REPLICA_HEADER
+from prefix_router.prompts.anthropic import merges_inline_system, messages_prompt
+from prefix_router.prompts.responses import MESSAGES, RESPONSES, Events, chat_usage, responses_prompt
+from prefix_router.fleet.response_homes import ResponseHomes
+from prefix_router.prompts.tokenizer import ByteTokenizer
+from prefix_router.tools.tiny_model import CHAT_TEMPLATE
 
 from .helpers import MODEL, metric
 

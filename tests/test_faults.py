@@ -19,12 +19,12 @@ import pytest
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from router.app import GATEWAY, create_app
-from router.breaker import BreakerState, CircuitBreaker
-from router.config import BreakerConfig, ConfigError, config_from_dict
-from router.tools.launch import free_port
-from router.constants import REPLICA_HEADER
-from router.tokenizer import ByteTokenizer
+from prefix_router.app import GATEWAY, create_app
+from prefix_router.fleet.breaker import BreakerState, CircuitBreaker
+from prefix_router.config import BreakerConfig, ConfigError, config_from_dict
+from prefix_router.tools.launch import free_port
+from prefix_router.constants import REPLICA_HEADER
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from .helpers import MODEL
 from .test_gateway import healthy_url, wait_until
@@ -265,11 +265,11 @@ def test_sigterm_lets_a_running_stream_finish_then_the_gateway_exits(tmp_path):
     """Run as Kubernetes stops a pod: SIGTERM while a stream runs. The stream ends with
     [DONE], new connections are refused, and the process exits 0 within ``drain_s``."""
     sim_port, gw_port = free_port(), free_port()
-    sim = subprocess.Popen([sys.executable, "-m", "router.cli", "sim", "--port", str(sim_port), "--model", MODEL,
+    sim = subprocess.Popen([sys.executable, "-m", "prefix_router.cli", "sim", "--port", str(sim_port), "--model", MODEL,
                             "--time-scale", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     config = tmp_path / "gateway.yaml"
     config.write_text(f"replicas: [http://127.0.0.1:{sim_port}]\ndrain_s: 20\n")
-    gateway = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", str(config),
+    gateway = subprocess.Popen([sys.executable, "-m", "prefix_router.cli", "serve", "--config", str(config),
                                 "--host", "127.0.0.1", "--port", str(gw_port)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.tools.launch import build_tiny_model, gateway_server, running, sim_server
+from prefix_router.tools.launch import build_tiny_model, gateway_server, running, sim_server
 
 from .helpers import MODEL
 

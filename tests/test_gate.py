@@ -8,8 +8,8 @@ import json
 import subprocess
 import sys
 
-from router.tools.gate import salted, verdict
-from router.tools.replay.workloads import load_request_log
+from prefix_router.tools.gate import salted, verdict
+from prefix_router.tools.replay.workloads import load_request_log
 
 from .test_causes import plant, sessions
 
@@ -31,7 +31,7 @@ def write_workload(path, mutated: bool) -> None:
 
 
 def gate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "router.cli", "gate", "--json", *args],
+    return subprocess.run([sys.executable, "-m", "prefix_router.cli", "gate", "--json", *args],
                           capture_output=True, text=True, timeout=300)
 
 

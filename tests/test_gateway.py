@@ -16,11 +16,11 @@ from collections import Counter
 
 import pytest
 
-from router.app import GATEWAY, create_app
-from router.gateway import replica_name
-from router.config import config_from_dict
-from router.constants import REPLICA_HEADER
-from router.tokenizer import ByteTokenizer
+from prefix_router.app import GATEWAY, create_app
+from prefix_router.gateway import replica_name
+from prefix_router.config import config_from_dict
+from prefix_router.constants import REPLICA_HEADER
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from .helpers import MODEL, metric, text
 
@@ -189,7 +189,7 @@ async def test_replicas_view_and_readiness(fleet, gateway):
 
 def spawn_sim(port: int, time_scale: float) -> subprocess.Popen:
     """A simulated replica in its own process, so it can be killed for real."""
-    return subprocess.Popen([sys.executable, "-m", "router.cli", "sim", "--port", str(port), "--model", MODEL,
+    return subprocess.Popen([sys.executable, "-m", "prefix_router.cli", "sim", "--port", str(port), "--model", MODEL,
                              "--num-blocks", "20000", "--time-scale", str(time_scale)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -303,9 +303,9 @@ async def test_a_restarted_replica_starts_with_an_empty_view_so_its_misses_are_c
     b'\xef\xbb\xbf{"stream": true}',
 ])
 def test_usage_is_requested_from_the_engine_without_changing_anything_else(raw):
-    from router.bodies import parse
-    from router.config import LimitsConfig
-    from router.inbound import patched
+    from prefix_router.serve.bodies import parse
+    from prefix_router.config import LimitsConfig
+    from prefix_router.serve.inbound import patched
 
     body = parse(raw, LimitsConfig())
     options = {**(body.get("stream_options") or {}), "include_usage": True}

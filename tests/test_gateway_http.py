@@ -1,7 +1,7 @@
 """The gateway's HTTP surface, in process: limits, header forwarding, the OpenAI client,
 metrics, prompt privacy and a fleet that is entirely down.
 
-Simulated replicas (``router.tools.sim``) where the engine matters; a tiny echo server as the
+Simulated replicas (``prefix_router.tools.sim``) where the engine matters; a tiny echo server as the
 "replica" where the test needs to see exactly what reached it.
 """
 
@@ -19,12 +19,12 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.app import GATEWAY, create_app
-from router.config import config_from_dict
-from router.constants import REPLICA_HEADER
-from router.passthrough import REPLICAS_HEADER
-from router.metrics import METRIC_NAMES
-from router.tokenizer import ByteTokenizer
+from prefix_router.app import GATEWAY, create_app
+from prefix_router.config import config_from_dict
+from prefix_router.constants import REPLICA_HEADER
+from prefix_router.serve.passthrough import REPLICAS_HEADER
+from prefix_router.metrics import METRIC_NAMES
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from .helpers import MODEL, text
 
@@ -384,7 +384,7 @@ async def test_no_prompt_text_reaches_metrics_or_logs_even_when_requests_fail(fl
         assert marker not in await (await client.get("/metrics")).text()
         assert marker not in json.dumps(await (await client.get("/replicas")).json())
     assert caplog.records  # logging was captured at all (the failures log warnings)
-    assert any(r.levelno >= logging.WARNING and r.name.startswith("router") for r in caplog.records)
+    assert any(r.levelno >= logging.WARNING and r.name.startswith("prefix_router") for r in caplog.records)
     for record in caplog.records:
         assert marker not in record.getMessage(), record.name
     assert marker not in caplog.text
@@ -422,7 +422,7 @@ async def test_the_request_log_has_one_line_per_request_with_predictions_and_no_
 # --- everything down ---------------------------------------------------------------------------
 
 async def test_a_gateway_started_with_every_replica_down_is_not_ready_from_its_first_request(aiohttp_client):
-    from router.tools.launch import free_port
+    from prefix_router.tools.launch import free_port
 
     down = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens there
     client = await aiohttp_client(create_app(config_from_dict(
@@ -440,7 +440,7 @@ async def test_a_replica_failing_health_checks_is_logged_with_what_it_answered(a
     app = web.Application()
     app.router.add_get("/{tail:.*}", not_found)
     server = await aiohttp_server(app)
-    with caplog.at_level("WARNING", logger="router.replicas"):
+    with caplog.at_level("WARNING", logger="prefix_router.fleet.replicas"):
         client = await gateway([server])
         assert (await client.get("/ready")).status == 503
     assert any(f"HTTP 404 from {url_of(server)}/health" in r.getMessage() for r in caplog.records), caplog.text

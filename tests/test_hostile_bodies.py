@@ -20,10 +20,10 @@ import pytest
 
 from bench.hostile_bodies import SHAPES, TEXTS, HealthWatch, RssWatch, rss_mb, text_body
 from bench.hostile_bodies import body as amplifying
-from router.app import create_app
-from router.config import config_from_dict
-from router.tools.launch import gateway_server, running, sim_server
-from router.tokenizer import ByteTokenizer
+from prefix_router.app import create_app
+from prefix_router.config import config_from_dict
+from prefix_router.tools.launch import gateway_server, running, sim_server
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from .helpers import MODEL
 
@@ -177,7 +177,7 @@ async def test_a_compressed_body_is_inflated_no_further_than_the_limit(aiohttp_c
 def test_a_body_of_many_gzip_members_is_refused_after_a_few():
     import gzip
 
-    from router.bodies import MAX_MEMBERS, inflate
+    from prefix_router.serve.bodies import MAX_MEMBERS, inflate
 
     assert inflate(gzip.compress(b'{"a":1}') * MAX_MEMBERS, "gzip", 1000) == b'{"a":1}' * MAX_MEMBERS
     refused = inflate(gzip.compress(b"") * 1_000_000, "gzip", 32 << 20)  # a member a 20 bytes: a Python step each

@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from router.blocks import BlockHash, block_hashes, seed_hash
-from router.index import BranchStats, PrefixDemand, ShadowIndex
+from prefix_router.cache.blocks import BlockHash, block_hashes, seed_hash
+from prefix_router.cache.index import BranchStats, PrefixDemand, ShadowIndex
 
 _fresh = itertools.count(1_000_000)
 

@@ -3,7 +3,7 @@ reaches them (every path, every header, every byte), the gateway is configured a
 shows, and tenant bolt tries to reach tenant acme's cache, Responses and keys.
 
 Each vLLM 0.32 POST route, read from the installed vLLM, is walked in
-tests/vllm_tier/test_endpoints_vllm.py; here the gateway's own table (``router.endpoints``) is.
+tests/vllm_tier/test_endpoints_vllm.py; here the gateway's own table (``prefix_router.endpoints``) is.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import json
 import pytest
 from aiohttp import web
 
-from router.app import create_app
-from router.config import ConfigError, config_from_dict
-from router.endpoints import GENERATES, ROUTED, SERVES, UNSALTABLE
-from router.tokenizer import ByteTokenizer
+from prefix_router.app import create_app
+from prefix_router.config import ConfigError, config_from_dict
+from prefix_router.endpoints import GENERATES, ROUTED, SERVES, UNSALTABLE
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from .helpers import MODEL
 
@@ -278,8 +278,8 @@ async def test_a_second_authorization_header_or_an_anthropic_key_header_never_ca
 
 
 async def test_the_pickers_search_for_a_responses_home_carries_no_client_key(aiohttp_server, aiohttp_client):
-    from router.app import GATEWAY
-    from router.epp import Exchange
+    from prefix_router.app import GATEWAY
+    from prefix_router.epp.picker import Exchange
 
     from .test_epp import _request_headers
 

@@ -1,15 +1,15 @@
 """Each prefix-caching rule of vLLM's v1 engine, pinned with a small exact case.
 
-Rules and their vLLM sources are listed in ``router/tools/sim/kv_cache.py``. Block size 4 keeps the
+Rules and their vLLM sources are listed in ``prefix_router/tools/sim/kv_cache.py``. Block size 4 keeps the
 cases small enough to work through by hand; expected values are derived in the test from the
 block size and prompt lengths, never copied from a run.
 """
 
 from __future__ import annotations
 
-from router.tools.sim.config import SimConfig
-from router.tools.sim.kv_cache import KVCache, extend_block_hashes, seed_hash
-from router.tools.sim.scheduler import Scheduler, SimRequest
+from prefix_router.tools.sim.config import SimConfig
+from prefix_router.tools.sim.kv_cache import KVCache, extend_block_hashes, seed_hash
+from prefix_router.tools.sim.scheduler import Scheduler, SimRequest
 
 BS = 4
 

@@ -7,10 +7,10 @@ import asyncio
 import json
 import random
 
-from router.app import GATEWAY, create_app
-from router.config import config_from_dict
-from router.constants import REPLICA_HEADER
-from router.tokenizer import ByteTokenizer
+from prefix_router.app import GATEWAY, create_app
+from prefix_router.config import config_from_dict
+from prefix_router.constants import REPLICA_HEADER
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from .helpers import MODEL, metric, text
 
@@ -132,7 +132,7 @@ _NO_SPILL = {"load_factor": 4.0, "load_slack": 8, "holder_load_factor": 8.0, "ho
 
 
 async def _hit_rate(fleet, aiohttp_server, requests, instances: int, events: bool) -> float:
-    from router.tools.replay.client import replay
+    from prefix_router.tools.replay.client import replay
 
     sims = await fleet(4, kv_events=EVENTS)
     urls = [str(s.make_url("")).rstrip("/") for s in sims]
@@ -157,7 +157,7 @@ async def _hit_rate(fleet, aiohttp_server, requests, instances: int, events: boo
 async def test_four_gateways_following_the_events_reuse_within_a_point_of_one(fleet, aiohttp_server):
     """Without session ids, behind a round-robin client: each instance sees a quarter of every
     conversation, yet the events show each of them every replica's cache (issue 15)."""
-    from router.tools.replay.generate import builtin_workload
+    from prefix_router.tools.replay.generate import builtin_workload
 
     requests = builtin_workload("mixed", sessions=48, seed=11)
     one = await _hit_rate(fleet, aiohttp_server, requests, 1, events=True)

@@ -24,11 +24,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router import kvstream
-from router.blocks import block_hashes, seed_hash
-from router.kvevents import BlockStored, EngineView, decode_batch
-from router.kvstream import EventStream
-from router.tools.sim import kv_events as sim_events
+from prefix_router.cache import stream as kvstream
+from prefix_router.cache.blocks import block_hashes, seed_hash
+from prefix_router.cache.events import BlockStored, EngineView, decode_batch
+from prefix_router.cache.stream import EventStream
+from prefix_router.tools.sim import kv_events as sim_events
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 16  # tokens per block, vLLM's default

@@ -1,6 +1,6 @@
 """vLLM's KV events: the wire format, the view they build, and the stream that repairs its gaps.
 
-The encoder is the simulator's (``router/tools/sim/kv_events.py``, vLLM's structs and options); the
+The encoder is the simulator's (``prefix_router/tools/sim/kv_events.py``, vLLM's structs and options); the
 real vLLM classes encode the same batch in ``tests/vllm_tier/test_kv_events.py``.
 """
 
@@ -11,11 +11,11 @@ import asyncio
 import msgspec
 import pytest
 
-from router.blocks import block_hashes, seed_hash
-from router.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, EngineView, decode_batch
-from router.kvstream import EventStream
-from router.learning import evicted_in_flight_tokens
-from router.tools.sim import kv_events as sim_events
+from prefix_router.cache.blocks import block_hashes, seed_hash
+from prefix_router.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineView, decode_batch
+from prefix_router.cache.stream import EventStream
+from prefix_router.serve.learning import evicted_in_flight_tokens
+from prefix_router.tools.sim import kv_events as sim_events
 
 BS = 4  # tokens per block
 MODEL = "tiny"
@@ -302,13 +302,13 @@ async def test_a_stream_started_on_a_busy_engine_replays_its_buffer_at_once(publ
 # --- the view against the simulated engine ------------------------------------------------
 
 def test_the_view_holds_exactly_what_the_engine_caches_through_evictions_and_stays_within_its_blocks():
-    """A small simulated engine (vLLM's prefix-cache rules, router/tools/sim/kv_cache.py) under a
+    """A small simulated engine (vLLM's prefix-cache rules, prefix_router/tools/sim/kv_cache.py) under a
     random workload of shared prefixes, salts and adapters that overflows it many times: after
     every step the view built from its events holds the same blocks as its cache."""
     import random as _random
 
-    from router.tools.sim.config import SimConfig
-    from router.tools.sim.scheduler import Scheduler, SimRequest
+    from prefix_router.tools.sim.config import SimConfig
+    from prefix_router.tools.sim.scheduler import Scheduler, SimRequest
 
     served = "served-model"
     scheduler = Scheduler(SimConfig(model=served, block_size=BS, num_gpu_blocks=48, max_model_len=150,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from router.tools.launch import build_tiny_model, free_port
+from prefix_router.tools.launch import build_tiny_model, free_port
 
 
 def test_a_tiny_tokenizer_folder_is_rebuilt_for_another_corpus_and_kept_for_the_same(tmp_path):

@@ -1,5 +1,6 @@
-"""The package's layout holds: the gateway's runtime never imports the tools beside it, and
-reads in one sitting."""
+"""The package's layout holds: the gateway's runtime never imports the tools beside it, its pure
+layers (routing, the cache picture) import no HTTP, no module imports one that imports it, and
+it reads in one sitting."""
 
 from __future__ import annotations
 
@@ -8,17 +9,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-import router
+import pytest
+
+import prefix_router
 
 
 def test_the_gateway_runtime_imports_none_of_the_tools_beside_it():
-    """``router/tools/`` (simulator, replayer, demo, audit, gate, launcher) stays off the request
+    """``prefix_router/tools/`` (simulator, replayer, demo, audit, gate, launcher) stays off the request
     path: serving with every runtime module loaded pulls in none of them."""
-    code = ("import pkgutil, importlib, sys, router\n"
-            "for m in pkgutil.iter_modules(router.__path__):\n"
-            "    if m.name not in ('tools', 'cli'):\n"
-            "        importlib.import_module('router.' + m.name)\n"
-            "print(sorted(n for n in sys.modules if n.startswith('router.tools')))\n")
+    package = Path(prefix_router.__file__).parent
+    runtime = [".".join(("prefix_router", *p.relative_to(package).with_suffix("").parts))
+               for p in _runtime_files() if p.name != "__init__.py" and p != package / "cli.py"]
+    assert len(runtime) > 40  # the walk found the package
+    code = ("import importlib, sys\n"
+            f"for name in {runtime!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(n for n in sys.modules if n.startswith('prefix_router.tools')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -30,7 +36,7 @@ MAX_FILE_LINES = 420
 
 
 def _runtime_files() -> list[Path]:
-    package = Path(router.__file__).parent
+    package = Path(prefix_router.__file__).parent
     return sorted(p for p in package.rglob("*.py") if "tools" not in p.relative_to(package).parts)
 
 
@@ -54,7 +60,7 @@ def test_the_runtime_reads_in_one_sitting():
 
 def _imports(package: Path) -> dict[str, set[str]]:
     """Module name -> the package's modules it imports (``from . import``, ``from .x import y``,
-    ``import router.x``), lazy and ``TYPE_CHECKING`` imports included: a circle hidden in a
+    ``import prefix_router.x``), lazy and ``TYPE_CHECKING`` imports included: a circle hidden in a
     function is still a circle a reader must hold in mind."""
     modules = {}
     for path in package.rglob("*.py"):
@@ -108,7 +114,29 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_module_imports_one_that_imports_it():
-    graph = _imports(Path(router.__file__).parent)
-    assert len(graph) > 40 and graph["router.proxy"]  # the walk found the package and its imports
+    graph = _imports(Path(prefix_router.__file__).parent)
+    assert len(graph) > 40 and graph["prefix_router.serve.proxy"]  # the walk found the package and its imports
     assert _circles(graph) == [], "import circles (each a group of modules that import each other)"
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check sees one
+
+
+PURE_LAYERS = ("prefix_router.routing", "prefix_router.cache")
+
+
+@pytest.mark.parametrize("layer", PURE_LAYERS)
+def test_routing_and_the_cache_picture_import_no_http(layer):
+    """The choice and the cache picture are pure: importing every module of ``layer`` (in a fresh
+    interpreter, so what they pull in transitively counts) loads neither aiohttp nor the HTTP layer
+    (``prefix_router.serve``). The fleet simulator and the Endpoint Picker reuse them without a
+    web server."""
+    code = ("import importlib, pkgutil, sys\n"
+            f"layer = importlib.import_module({layer!r})\n"
+            "for m in pkgutil.walk_packages(layer.__path__, layer.__name__ + '.'):\n"
+            "    importlib.import_module(m.name)\n"
+            "print(len(list(pkgutil.walk_packages(layer.__path__))))\n"
+            "print(sorted(n for n in sys.modules if n.split('.')[0] == 'aiohttp' and n.count('.') == 0\n"
+            "             or n.startswith('prefix_router.serve')))\n")
+    count, loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                   check=True).stdout.split("\n", 1)
+    assert int(count) >= 3  # the walk found the layer's modules
+    assert loaded.strip() == "[]"

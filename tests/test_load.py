@@ -33,11 +33,11 @@ async def test_the_gateways_bookkeeping_stays_within_its_bounds_over_a_long_repl
     """Shadow indexes, branch statistics, conversation memory and change sites stay at or under
     their configured bounds while a replay keeps adding conversations (each bound well below
     what the replay would fill)."""
-    from router.app import GATEWAY, create_app
-    from router.config import config_from_dict
-    from router.tools.replay.client import replay
-    from router.tools.replay.generate import builtin_workload
-    from router.tokenizer import ByteTokenizer
+    from prefix_router.app import GATEWAY, create_app
+    from prefix_router.config import config_from_dict
+    from prefix_router.tools.replay.client import replay
+    from prefix_router.tools.replay.generate import builtin_workload
+    from prefix_router.prompts.tokenizer import ByteTokenizer
 
     from .helpers import MODEL
 

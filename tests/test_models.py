@@ -1,6 +1,6 @@
 """Several models and LoRA adapters behind one gateway: each request goes only to replicas whose
 ``/v1/models`` lists its model, ``/v1/models`` is the union, and a model none serves gets the
-gateway's own 404 (router/gateway.py: ``serving``, ``refresh_models``; router/proxy.py).
+gateway's own 404 (prefix_router/gateway.py: ``serving``, ``refresh_models``; prefix_router/serve/proxy.py).
 
 Two simulated replicas serve a model each; adapters loaded at run time are a small aiohttp
 replica whose model list changes. The real engine with a real adapter:
@@ -13,11 +13,11 @@ import random
 
 from aiohttp import web
 
-from router.app import GATEWAY, create_app
-from router.config import config_from_dict
-from router.constants import REPLICA_HEADER
-from router.passthrough import REPLICAS_HEADER
-from router.tokenizer import ByteTokenizer
+from prefix_router.app import GATEWAY, create_app
+from prefix_router.config import config_from_dict
+from prefix_router.constants import REPLICA_HEADER
+from prefix_router.serve.passthrough import REPLICAS_HEADER
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from .helpers import metric, text
 

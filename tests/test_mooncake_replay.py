@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 
-from router.tools.replay.client import replay
-from router.tools.replay.summary import summarize
-from router.tools.replay.workloads import load_mooncake
-from router.tools.sim.config import SimConfig
-from router.tools.sim.server import create_app
-from router.tokenizer import ByteTokenizer
+from prefix_router.tools.replay.client import replay
+from prefix_router.tools.replay.summary import summarize
+from prefix_router.tools.replay.workloads import load_mooncake
+from prefix_router.tools.sim.config import SimConfig
+from prefix_router.tools.sim.server import create_app
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from .helpers import mooncake_trace
 

@@ -13,11 +13,11 @@ import urllib.request
 
 import pytest
 
-from router.config import ConfigError, config_from_dict
-from router.tokenizer import HFTokenizer
-from router.tools.launch import free_port, gateway_server, running, sim_server
+from prefix_router.config import ConfigError, config_from_dict
+from prefix_router.prompts.tokenizer import HFTokenizer
+from prefix_router.tools.launch import free_port, gateway_server, running, sim_server
 
-CLI = [sys.executable, "-m", "router.cli"]
+CLI = [sys.executable, "-m", "prefix_router.cli"]
 
 
 def test_a_replica_url_ending_in_v1_is_refused_with_the_base_url_to_give():
@@ -82,7 +82,7 @@ def test_log_options_work_after_the_command_and_json_lines_name_level_logger_and
         proc.kill()
     records = [first, *rest]
     assert all(set(r) == {"time", "level", "logger", "message"} for r in records)
-    assert first["logger"] == "router.replicas" and first["level"] == "WARNING"
+    assert first["logger"] == "prefix_router.fleet.replicas" and first["level"] == "WARNING"
     assert "http://127.0.0.1:9/health" in first["message"]
     assert any(r["level"] == "INFO" and r["message"].startswith("shutting down") for r in rest), rest
 

@@ -1,4 +1,4 @@
-"""Every endpoint beyond chat and completions (router/passthrough.py): to one replica, to every
+"""Every endpoint beyond chat and completions (prefix_router/serve/passthrough.py): to one replica, to every
 replica for an operator's, and stored Responses to the replica that holds them.
 
 The replicas here are small aiohttp apps that answer a few of vLLM's endpoints the way vLLM 0.32
@@ -13,11 +13,11 @@ import json
 
 from aiohttp import web
 
-from router.app import GATEWAY, create_app
-from router.config import config_from_dict
-from router.constants import REPLICA_HEADER
-from router.passthrough import REPLICAS_HEADER
-from router.tokenizer import ByteTokenizer
+from prefix_router.app import GATEWAY, create_app
+from prefix_router.config import config_from_dict
+from prefix_router.constants import REPLICA_HEADER
+from prefix_router.serve.passthrough import REPLICAS_HEADER
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from .helpers import MODEL, metric
 

@@ -7,12 +7,15 @@ from collections import Counter
 
 import pytest
 
-from router.blocks import BlockHash
-from router.config import RoutingConfig
-from router.index import BranchStats, ShadowIndex
-from router.bounds import in_flight_regime, load_bound, within_bound
-from router.policy import LeastLoadedPolicy, PrefixAffinityPolicy, ReplicaView, RoundRobinPolicy, Route, make_policy
-from router.ring import Ring
+from prefix_router.cache.blocks import BlockHash
+from prefix_router.config import RoutingConfig
+from prefix_router.cache.index import BranchStats, ShadowIndex
+from prefix_router.routing.bounds import in_flight_regime, load_bound, within_bound
+from prefix_router.routing.baselines import LeastLoadedPolicy, RoundRobinPolicy
+from prefix_router.routing.bounds import ReplicaView
+from prefix_router.routing.decision import Route
+from prefix_router.routing.policy import PrefixAffinityPolicy, make_policy
+from prefix_router.routing.ring import Ring
 
 NAMES = [f"replica-{i}:8000" for i in range(4)]
 _fresh = itertools.count(10_000)
@@ -50,7 +53,7 @@ def wanted(policy, hashes, times=1):
 
 def retry_order(policy, hashes, views):
     """The replicas in the order a request failing everywhere tries them: the proxy asks the
-    policy again after each failure, without the replicas tried (router/forward.py)."""
+    policy again after each failure, without the replicas tried (prefix_router/serve/forward.py)."""
     order = []
     while len(order) < len(views):
         order.append(select(policy, hashes, {n: v for n, v in views.items() if n not in order}).replica)

@@ -1,11 +1,11 @@
-"""``router.prompts.analyze``: what a request body gives routing (the chat opening key)."""
+"""``prefix_router.prompts.analysis.analyze``: what a request body gives routing (the chat opening key)."""
 
 from __future__ import annotations
 
 import random
 
-from router.prompts import analyze
-from router.tokenizer import ByteTokenizer
+from prefix_router.prompts.analysis import analyze
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from .helpers import MODEL, text
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from router.relay import UsageFilter
+from prefix_router.serve.relay import UsageFilter
 
 USAGE = {"prompt_tokens": 12, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 8}}
 EVENTS = [b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n',

@@ -1,4 +1,4 @@
-"""The trace replayer (router/tools/replay): loaders, the built-in workload, the client and summaries."""
+"""The trace replayer (prefix_router/tools/replay): loaders, the built-in workload, the client and summaries."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from router.tools.replay.cli import add_parser as add_replay_parser
-from router.tools.replay.cli import run as replay_cli_run
-from router.tools.replay.client import replay
-from router.tools.replay.generate import builtin_workload
-from router.tools.replay.summary import percentile, summarize
-from router.tools.replay.workloads import (CHAT, COMPLETIONS, load_mooncake, load_trajectories, token_text,
+from prefix_router.tools.replay.cli import add_parser as add_replay_parser
+from prefix_router.tools.replay.cli import run as replay_cli_run
+from prefix_router.tools.replay.client import replay
+from prefix_router.tools.replay.generate import builtin_workload
+from prefix_router.tools.replay.summary import percentile, summarize
+from prefix_router.tools.replay.workloads import (CHAT, COMPLETIONS, load_mooncake, load_trajectories, token_text,
                                      trajectory_messages)
-from router.tools.sim.config import SimConfig
-from router.tools.sim.server import create_app
-from router.tokenizer import ByteTokenizer
+from prefix_router.tools.sim.config import SimConfig
+from prefix_router.tools.sim.server import create_app
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from .helpers import agent_traces
 
@@ -296,7 +296,7 @@ async def test_summarize_computes_the_token_hit_rate_of_the_records(sim_url):
 
 
 def test_summarize_counts_failed_records_as_errors_and_leaves_them_out_of_tokens():
-    from router.tools.replay.client import Record
+    from prefix_router.tools.replay.client import Record
 
     good = Record(0, None, 0, 0.0, 0.1, 0.2, 100, 40, 5, 200, None, None)
     bad = Record(1, None, 0, 0.0, None, None, 50, 50, None, 500, "boom", None)
@@ -306,8 +306,8 @@ def test_summarize_counts_failed_records_as_errors_and_leaves_them_out_of_tokens
 
 
 def test_a_summary_of_failed_requests_says_why_they_failed():
-    from router.tools.replay.client import Record
-    from router.tools.replay.summary import format_summary
+    from prefix_router.tools.replay.client import Record
+    from prefix_router.tools.replay.summary import format_summary
 
     not_found = json.dumps({"error": {"message": "The model `gpt-4` does not exist.", "code": 404}})
     records = [Record(i, None, 0, 0.0, None, None, None, None, None, 404, not_found, None) for i in range(5)]

@@ -1,12 +1,12 @@
-"""A replica's health and restart state (``router/replicas.py``): a stall is not a restart."""
+"""A replica's health and restart state (``prefix_router/fleet/replicas.py``): a stall is not a restart."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.blocks import BlockHash
-from router.config import HealthConfig, ReplicaConfig
-from router.replicas import ReplicaState, apply_health, apply_metrics
+from prefix_router.cache.blocks import BlockHash
+from prefix_router.config import HealthConfig, ReplicaConfig
+from prefix_router.fleet.replicas import ReplicaState, apply_health, apply_metrics
 
 HEALTH = HealthConfig(unhealthy_after=2, healthy_after=1)
 
@@ -90,8 +90,8 @@ def test_a_replica_back_with_zero_counters_restarted_even_if_no_scrape_saw_them_
 
 
 def test_recent_requests_count_one_each_and_halve_every_half_life():
-    from router.config import ReplicaConfig
-    from router.replicas import ReplicaState
+    from prefix_router.config import ReplicaConfig
+    from prefix_router.fleet.replicas import ReplicaState
 
     replica = ReplicaState(ReplicaConfig(url="http://r:8000"), "r:8000")
     replica.note_sent(100.0, 60.0)
@@ -105,9 +105,9 @@ def test_recent_requests_count_one_each_and_halve_every_half_life():
 def test_replicas_sent_as_many_requests_at_different_moments_tie_where_shares_never_decay():
     """A half-life of 1e9 s (tests of several instances) still weighs requests seconds apart a
     hair apart; the policy breaks ties of recent share by ring position, so equal counts must
-    compare equal (``router/bounds.py``, ``SHARE_DIGITS``)."""
-    from router.config import ReplicaConfig
-    from router.replicas import ReplicaState
+    compare equal (``prefix_router/routing/bounds.py``, ``SHARE_DIGITS``)."""
+    from prefix_router.config import ReplicaConfig
+    from prefix_router.fleet.replicas import ReplicaState
 
     early, late = (ReplicaState(ReplicaConfig(url=f"http://{n}:8000"), f"{n}:8000") for n in "ab")
     for t in (0.0, 1.0, 2.0):

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from router.ring import Ring
+from prefix_router.routing.ring import Ring
 
 REPLICAS = [f"10.0.0.{i}:8000" for i in range(1, 6)]
 KEYS = [f"b:{i:016x}" for i in range(3000)]

@@ -1,4 +1,4 @@
-"""The simulated vLLM replica's HTTP API (router/tools/sim/server.py), driven in-process."""
+"""The simulated vLLM replica's HTTP API (prefix_router/tools/sim/server.py), driven in-process."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.tools.sim.config import SimConfig
-from router.tools.sim.server import ENGINE, create_app
-from router.tokenizer import ByteTokenizer
+from prefix_router.tools.sim.config import SimConfig
+from prefix_router.tools.sim.server import ENGINE, create_app
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 MODEL = "test-model"
 CONFIG = SimConfig(model=MODEL, block_size=16, num_gpu_blocks=256, max_model_len=1024, time_scale=1000)

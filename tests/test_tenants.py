@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from router.app import create_app
-from router.config import ConfigError, config_from_dict
-from router.constants import REPLICA_HEADER
-from router.tenants import MAX_SALT_CHARS, SALT_JOIN
-from router.tokenizer import ByteTokenizer
+from prefix_router.app import create_app
+from prefix_router.config import ConfigError, config_from_dict
+from prefix_router.constants import REPLICA_HEADER
+from prefix_router.fleet.tenants import MAX_SALT_CHARS, SALT_JOIN
+from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from .helpers import MODEL, text
 from .test_gateway_http import EchoReplica

@@ -1,7 +1,7 @@
 """Incremental chat tokenization always equals a full tokenization.
 
 The tokenizer under test is the tiny byte-level BPE the real-engine tier serves (built here
-from ``router/tools/tiny_model.py``, tokenizer only: no torch needed). Hypothesis drives
+from ``prefix_router/tools/tiny_model.py``, tokenizer only: no torch needed). Hypothesis drives
 random multi-turn conversations, tool lists and awkward text (unicode, whitespace, the special
 tokens' own text inside content) through one ``HFTokenizer`` whose prefix cache is warm from
 earlier turns and earlier conversations; every prompt's ids must equal the ids of encoding the
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.tools.tiny_model import build_tokenizer
-from router.tokenizer import HFTokenizer
+from prefix_router.tools.tiny_model import build_tokenizer
+from prefix_router.prompts.tokenizer import HFTokenizer
 
 from .helpers import TEMPLATES, with_template
 
@@ -33,7 +33,7 @@ def tokenizer(tokenizer_dir):
 
 
 def full(tok: HFTokenizer, messages, tools=None) -> list[int]:
-    from router.tokenizer import normalize_messages, normalize_tools
+    from prefix_router.prompts.tokenizer import normalize_messages, normalize_tools
 
     text = tok._tok.apply_chat_template(normalize_messages(messages), tools=normalize_tools(tools),
                                        add_generation_prompt=True, tokenize=False)
@@ -69,8 +69,8 @@ def test_analysis_reusing_the_known_prefixs_block_hashes_equals_hashing_every_bl
         tokenizer, system, conversation, salts, block_sizes):
     # each turn under a salt and a block size of its own: the memo kept with a known prefix
     # must never hand one seed's or one block size's hashes to another
-    from router.blocks import block_hashes, seed_hash
-    from router.prompts import analyze
+    from prefix_router.cache.blocks import block_hashes, seed_hash
+    from prefix_router.prompts.analysis import analyze
 
     messages = [{"role": "system", "content": system}]
     for i, (user, assistant) in enumerate(conversation):
@@ -135,7 +135,7 @@ kwargs_st = st.none() | st.fixed_dictionaries({"style": st.sampled_from(["terse"
 @given(messages=messages_st, tools=tool_lists, kwargs=kwargs_st, generation=st.booleans())
 def test_the_compiled_template_renders_what_apply_chat_template_renders(tokenizer, other_tokenizers, messages, tools,
                                                                          kwargs, generation):
-    from router.tokenizer import normalize_messages, normalize_tools
+    from prefix_router.prompts.tokenizer import normalize_messages, normalize_tools
 
     for tok in (tokenizer, *other_tokenizers):
         assert tok._template is not None  # the fast path is the one under test

@@ -15,9 +15,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from router.tools.launch import gateway_server, running, sim_server
-from router.metrics import sample_sum
-from router.workers import MULTIPROC_ENV
+from prefix_router.tools.launch import gateway_server, running, sim_server
+from prefix_router.metrics import sample_sum
+from prefix_router.workers import MULTIPROC_ENV
 
 from .helpers import MODEL
 
@@ -130,7 +130,7 @@ def test_a_port_another_program_holds_is_refused_in_one_line_with_or_without_wor
     taken.listen()
     try:
         for workers in ("1", "2"):
-            done = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--workers", workers, "--port",
+            done = subprocess.run([sys.executable, "-m", "prefix_router.cli", "serve", "--workers", workers, "--port",
                                    str(taken.getsockname()[1]), "--replica", "http://127.0.0.1:9"],
                                   capture_output=True, text=True, timeout=120)
             assert done.returncode == 1, done.stderr[-2000:]
@@ -165,8 +165,8 @@ def _state(pid: int) -> str:
 def test_each_worker_routes_as_one_of_several_instances():
     # N workers are N pictures of the caches: a prompt nobody holds must go where every one of
     # them would send it (the ring), whatever routing.sole_router says
-    from router.config import config_from_dict
-    from router.gateway import Gateway
+    from prefix_router.config import config_from_dict
+    from prefix_router.gateway import Gateway
 
     for workers, sole in ((1, True), (2, False)):
         config = config_from_dict({"replicas": ["http://127.0.0.1:9"], "workers": workers})

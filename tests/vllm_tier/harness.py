@@ -1,8 +1,8 @@
 """Real vLLM replicas (CPU build) and simulated ones for the real-engine tests.
 
 The vLLM environment is made by ``tests/vllm_tier/make_env.sh`` (``.venv-vllm`` at the project
-root, or ``$PREFIX_ROUTER_VLLM_VENV``) and the tiny model by ``router/tools/tiny_model.py``, both
-offline; processes start through ``router/tools/launch.py``, as the demo's do. Tests call
+root, or ``$PREFIX_ROUTER_VLLM_VENV``) and the tiny model by ``prefix_router/tools/tiny_model.py``, both
+offline; processes start through ``prefix_router/tools/launch.py``, as the demo's do. Tests call
 ``require_vllm()``: it skips with the reason when the environment is missing, unless
 ``PREFIX_ROUTER_REQUIRE_VLLM=1`` (CI), where a missing engine fails the run instead.
 
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from router.tools import launch
-from router.replicas import parse_engine_metrics
+from prefix_router.tools import launch
+from prefix_router.fleet.replicas import parse_engine_metrics
 
 from ..helpers import SHARED  # the shared data folder, or $PREFIX_ROUTER_SHARED
 

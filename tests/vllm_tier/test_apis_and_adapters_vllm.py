@@ -27,12 +27,12 @@ from pathlib import Path
 
 import pytest
 
-from router.constants import REPLICA_HEADER
-from router.anthropic import messages_prompt
-from router.dialects import responses_prompt
-from router.prompts import chat_tokens
-from router.tokenizer import HFTokenizer
-from router.tools import launch
+from prefix_router.constants import REPLICA_HEADER
+from prefix_router.prompts.anthropic import messages_prompt
+from prefix_router.prompts.responses import responses_prompt
+from prefix_router.prompts.analysis import chat_tokens
+from prefix_router.prompts.tokenizer import HFTokenizer
+from prefix_router.tools import launch
 
 from .harness import get, require_vllm, tiny_model, vllm_spec
 

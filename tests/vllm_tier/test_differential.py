@@ -19,10 +19,10 @@ import random
 
 import pytest
 
-from router.prompts import chat_tokens
-from router.tokenizer import HFTokenizer
-from router.tools.replay.generate import builtin_workload
-from router.tools.replay.workloads import load_trajectories
+from prefix_router.prompts.analysis import chat_tokens
+from prefix_router.prompts.tokenizer import HFTokenizer
+from prefix_router.tools.replay.generate import builtin_workload
+from prefix_router.tools.replay.workloads import load_trajectories
 
 from .harness import SHARED, post_json, sim_server, tiny_model, unbounded_hits, vllm_server
 

@@ -5,7 +5,7 @@ generates from, or refused.
 The routes come from vLLM's ``build_app`` (``vllm/entrypoints/launchers/app.py``) with every task
 it supports, dev mode and fault tolerance on, run in the vLLM environment (no engine starts);
 a route a later vLLM adds fails ``test_every_vllm_post_route_has_a_kind`` until
-``router/endpoints.py`` sorts it. The requests then go through the gateway to a recording fake
+``prefix_router/endpoints.py`` sorts it. The requests then go through the gateway to a recording fake
 replica (tests/test_isolation.py), as tenant bolt forging tenant acme's salt.
 """
 
@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from router.endpoints import Kind, kind_of
+from prefix_router.endpoints import Kind, kind_of
 
 from ..test_isolation import _body_for, _key, gateway  # noqa: F401 (a fixture)
 from .harness import require_vllm
@@ -60,7 +60,7 @@ def vllm_posts() -> list[str]:
 def test_every_vllm_post_route_has_a_kind(vllm_posts):
     assert len(vllm_posts) > 40, vllm_posts  # the app was built with its routers
     unknown = [p for p in vllm_posts if kind_of("POST", p.replace("{response_id}", "resp_x")) is Kind.UNKNOWN]
-    assert unknown == [], f"vLLM POST routes router/endpoints.py does not sort: {unknown}"
+    assert unknown == [], f"vLLM POST routes prefix_router/endpoints.py does not sort: {unknown}"
 
 
 async def test_every_vllm_post_route_keeps_a_tenants_cache_its_own(gateway, vllm_posts):  # noqa: F811

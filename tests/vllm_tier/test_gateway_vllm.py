@@ -1,6 +1,6 @@
 """The gateway in front of two real vLLM replicas: predictions, routing gain, template, breakers, salts.
 
-Two vLLM CPU replicas serve the tiny model (``router/tools/tiny_model.py``) with 32-token blocks, a
+Two vLLM CPU replicas serve the tiny model (``prefix_router/tools/tiny_model.py``) with 32-token blocks, a
 small KV cache so that eviction happens, and prompt token details on; the gateway uses the
 model's own tokenizer folder, as an operator would. The replayed traffic is the SWE-agent
 trajectories in ``../shared/agent_traces`` (several agents per trajectory, sharing its system
@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from router.tools import launch
-from router.prompts import chat_tokens
-from router.tools.replay.client import replay
-from router.tools.replay.generate import builtin_workload
-from router.tools.replay.workloads import load_trajectories
-from router.replicas import parse_engine_metrics
-from router.tokenizer import HFTokenizer
+from prefix_router.tools import launch
+from prefix_router.prompts.analysis import chat_tokens
+from prefix_router.tools.replay.client import replay
+from prefix_router.tools.replay.generate import builtin_workload
+from prefix_router.tools.replay.workloads import load_trajectories
+from prefix_router.fleet.replicas import parse_engine_metrics
+from prefix_router.prompts.tokenizer import HFTokenizer
 
 from ..helpers import TEMPLATES, with_template
 from .harness import SHARED, get, post_json, tiny_model, unbounded_hits, vllm_spec

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from router.tools import launch
-from router.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from router.metrics import sample_sum
+from prefix_router.tools import launch
+from prefix_router.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from prefix_router.metrics import sample_sum
 
 from .harness import get, post_json, require_vllm, tiny_model, vllm_spec
 from .test_gateway_vllm import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, _read_log, _replay, _reset, _workload

@@ -14,9 +14,9 @@ import urllib.request
 
 import pytest
 
-from router.constants import REPLICA_HEADER
-from router.passthrough import REPLICAS_HEADER
-from router.tools import launch
+from prefix_router.constants import REPLICA_HEADER
+from prefix_router.serve.passthrough import REPLICAS_HEADER
+from prefix_router.tools import launch
 
 from .harness import get, tiny_model, vllm_spec
 

@@ -1,0 +1,198 @@
+"""Routing policies: pure, synchronous choices of a replica for one request.
+
+``PrefixAffinityPolicy.select``: the longest cached prefix, under a load bound. The measurements
+behind each step and default are in ``docs/routing-rule.md``.
+
+1. Match: for each routable replica, how many of the request's leading blocks it holds
+   (``ShadowIndex.match`` or the engine's ``EngineView.match``), capped at the blocks the engine
+   can hit.
+2. Bound: a replica may take the request while its load after taking it is at most
+   ``ceil(max(load_factor x mean, mean + load_slack))``, the mean counting the new request
+   (``prefix_router/routing/bounds.py``; consistent hashing with bounded loads, Mirrokni et al.,
+   SODA 2018; KubeAI's CHWBL uses 1.25). Load is requests in flight plus what other gateways put
+   on the engine (``ReplicaState.routing_load``), counted the moment a request is sent, so the
+   least loaded replica is always within the bound. The same bound holds each replica's recent
+   share of requests (``ReplicaView.recent``) but the key owner's: traffic arriving one request
+   at a time has nothing in flight and would otherwise follow a shared system prompt to one
+   replica. A replica holding a cold prefix of the prompt (``_holds_cold_prefix``) keeps the
+   request up to looser holder bounds, since spilling would recompute that prefix to relieve a
+   load one more copy cannot cure; while every replica is busy past the slack, or where this
+   gateway is one of several (``routing.sole_router`` false), only the in-flight holder bound
+   applies, as each instance's share counts cover only its own traffic. A hot prefix gets no
+   leave and spreads at the bound.
+3. New work: when no replica holds ``match_threshold`` of the prompt and the request opens a
+   conversation (a chat's first turn; for a completion, a match within the prefix many prompts
+   share, ``BranchStats.key_depth``), the replica within the bound with the least prompt queued
+   for prefill takes it (``ReplicaView.prefill``), then the least loaded, then the fewest blocks
+   (``Route.BALANCE``): its prefill starts soonest, and where a conversation starts its later
+   turns stay. A later turn is never new work. A prompt nobody holds any of is new work only
+   where this instance is the only router (``routing.sole_router``); elsewhere the ring places
+   it, where every instance sends it (KV events arrive only after an engine has computed a
+   prefix, too late to make instances agree).
+4. Choice: among replicas within the bound, the one holding most of the prompt; ties go in ring
+   order of the request's key (the session key, a chat's opening, or the block chain through the
+   first block after the deepest shared prefix: ``routing_key``), so a tie, which carries no
+   cache information, spreads, and every instance places a request it knows nothing of alike.
+   Where every instance reads the same picture, holders of equal parts are told apart by load
+   before the ring (``Route.BALANCE``), and a hot shared prefix counts for nothing
+   (``_replicate_depth``), so a replica that missed the first requests is not outranked forever.
+
+The route reported: ``affinity`` (the key's ring owner), ``sticky`` (another replica held more),
+``balance`` (new work, or a tie told apart by load), ``spill`` (the preferred replica was over
+the bound; ``spilled_from`` names it), ``fallback`` (the baselines); the proxy labels a retry
+``retry``. Cost: O(replicas x matched blocks) dictionary lookups a request.
+
+The policy does no I/O and records nothing: it returns a ``Decision``; the proxy acts on it and
+counts it. Every policy follows ``Policy``; the baselines are in ``baselines.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+
+from prefix_router.cache.blocks import BlockHash
+from prefix_router.routing.bounds import SHARE_TOLERANCE, Bounds, ReplicaView, within_bound
+from prefix_router.config import RoutingConfig
+from prefix_router.cache.index import BranchStats, PrefixDemand
+from prefix_router.routing.baselines import LeastLoadedPolicy, RoundRobinPolicy
+from prefix_router.routing.decision import Decision, Policy, Route, routing_key
+from prefix_router.routing.ring import Ring
+
+__all__ = ["PrefixAffinityPolicy", "make_policy"]
+
+
+class PrefixAffinityPolicy:
+    """The longest cached prefix among replicas within a load bound; ties by load where every
+    instance reads the same picture, else by the ring (the module docstring)."""
+
+    def __init__(self, config: RoutingConfig, ring: Ring, branches: BranchStats,
+                 demand: PrefixDemand | None = None) -> None:
+        self.config = config
+        self.ring = ring
+        self.branches = branches
+        self.demand = demand if demand is not None else PrefixDemand(config.share_half_life_s)
+
+    def select(self, hashes: Sequence[BlockHash], full_hash: int, replicas: Mapping[str, ReplicaView],
+               session_key: str | None = None, max_hit_blocks: int | None = None,
+               first_turn: bool | None = None) -> Decision:
+        """Choose among ``replicas`` (healthy ones) for a prompt with these block hashes.
+
+        ``full_hash``: a hash of the whole prompt, partial last block included (the key when the
+        prompt ends inside a shared prefix). ``max_hit_blocks``: the engine never hits the last
+        token, so at most ``(num_tokens - 1) // block_size`` blocks. ``first_turn``: whether a
+        chat is on its opening turn (``PromptInfo.first_turn``); None when unknown (completions),
+        and then only a match within the prefix many prompts share counts as new work. Raises
+        LookupError when ``replicas`` is empty.
+        """
+        if not replicas:
+            raise LookupError("no healthy replica")
+        cap = len(hashes) if max_hit_blocks is None else max_hit_blocks
+        depth, key = routing_key(self.branches, self.config.max_key_blocks, hashes, full_hash, session_key)
+        order = [n for n in self.ring.candidates(key) if n in replicas] or sorted(replicas)
+        matches = {n: min(v.shadow.match(hashes), cap) for n, v in replicas.items()}
+        bounds = Bounds.of(self.config, replicas)
+        owner = order[0]
+        rank = self._ranker(order, matches, replicas, hashes, depth)
+        preferred = min(order, key=rank)
+        fitting = [r for r in order if bounds.fits(replicas[r], r == owner)]
+        if not fitting:  # the share bound turned away everyone within the in-flight bound
+            fitting = [r for r in order if within_bound(replicas[r].load, bounds.load)]
+        top = max(order, key=lambda r: (matches[r], r == preferred))  # preferred may hold less: step 4
+        best = matches[top]
+        decide = partial(Decision, best_blocks=best, best_replica=top, key_depth=depth, key=key,
+                         matches=matches)
+        if fitting and self._is_new_work(first_turn, best, depth, cap):
+            # mostly new work: what a replica holds of it is worth less than where its later
+            # turns will stay and how soon its prefill starts: the least prompt queued for
+            # prefill takes it, then the least loaded, then the fewest blocks (then ring order)
+            replica = min(fitting, key=lambda r: (replicas[r].prefill, replicas[r].load, len(replicas[r].shadow)))
+            return decide(replica, Route.BALANCE, predicted_blocks=matches[replica])
+        # The holder's leave: a replica past the bounds that alone holds more of the prompt than
+        # any fitting one, where that prefix is cold, keeps it up to the holder bounds.
+        most = max((matches[r] for r in fitting), default=0)
+        fitting += [r for r in order if r not in fitting and matches[r] > most
+                    and bounds.fits(replicas[r], r == owner, holder=True)
+                    and self._holds_cold_prefix(r, hashes, matches)]
+        if fitting:
+            replica = min(fitting, key=rank)
+        else:  # loads that are not what the bound assumes (negative); not reached otherwise
+            replica = min(order, key=lambda n: replicas[n].load)
+        if replica != preferred:
+            return decide(replica, Route.SPILL, predicted_blocks=matches[replica], spilled_from=preferred)
+        if replica == owner:
+            return decide(replica, Route.AFFINITY, predicted_blocks=matches[replica])
+        # another replica held more than the owner, or as much and less load
+        route = Route.STICKY if matches[replica] > matches[owner] else Route.BALANCE
+        return decide(replica, route, predicted_blocks=matches[replica])
+
+    def _ranker(self, order: Sequence[str], matches: Mapping[str, int], replicas: Mapping[str, ReplicaView],
+                hashes: Sequence[BlockHash], depth: int) -> Callable[[str], tuple]:
+        """The sort key of step 4: most blocks held first, not counting a shared prefix to
+        replicate (``_replicate_depth``). Replicas holding equal parts of the prompt are told
+        apart by load where every instance reads the same picture (it is the only router, or
+        every view is the engine's); else, and among replicas holding nothing, by the ring, where
+        every instance agrees (``order`` is the ring's)."""
+        shared = self.config.sole_router or all(v.engine for v in replicas.values())
+        position = {r: i for i, r in enumerate(order)}
+        common = self._replicate_depth(hashes, matches, depth) if shared else 0
+        worth = {r: m if m > common else 0 for r, m in matches.items()}
+
+        def rank(r: str) -> tuple:
+            if shared and (worth[r] or common):
+                return -worth[r], replicas[r].load, replicas[r].recent, position[r]
+            return -worth[r], 0, 0, position[r]
+        return rank
+
+    def _replicate_depth(self, hashes: Sequence[BlockHash], matches: Mapping[str, int], depth: int) -> int:
+        """The deepest hot prefix of the prompt (``_is_hot``) within the part many prompts share
+        (under the key depth, ``BranchStats``) that some routable replica does not hold; 0 when
+        there is none. One system prompt behind every request, held by 7 of 8 replicas: 1 x 8 > 7.
+        A conversation's history lies past the shared part and never counts here, however few
+        conversations share the fleet."""
+        for d in sorted({m for m in matches.values() if 0 < m < depth}, reverse=True):
+            if min(matches.values()) < d and self._is_hot(hashes, d, matches):
+                return d
+        return 0
+
+    def _is_hot(self, hashes: Sequence[BlockHash], depth: int, matches: Mapping[str, int]) -> bool:
+        """Whether the prompt's first ``depth`` blocks draw more requests than the replicas
+        holding them (``matches`` at least ``depth``) can serve at their fair share: the share of
+        recent requests through that prefix times the replicas is over its holders
+        (``PrefixDemand``). Such a prefix is to be replicated, not kept. "Over" means by more than
+        ``SHARE_TOLERANCE``: an exact tie (a quarter of the requests, four replicas, one holder)
+        must read the same however far apart in time the requests came."""
+        holders = sum(1 for m in matches.values() if m >= depth)
+        return self.demand.share(hashes[depth - 1]) * len(matches) > holders + SHARE_TOLERANCE
+
+    def _is_new_work(self, first_turn: bool | None, best: int, depth: int, cap: int) -> bool:
+        """Step 3: whether the request is mostly new everywhere and opens a conversation.
+
+        A later turn is never new work, whatever its new part weighs: its history would be
+        recomputed wherever else it went. A prompt nobody holds any of is new work only where
+        this instance is the only router; several keep it on the ring, where every instance
+        sends it at once: their pictures, the engines' own included, show a prefix only once a
+        replica has computed it."""
+        if best == 0 and not self.config.sole_router:
+            return False
+        opening = first_turn if first_turn is not None else best < depth
+        return opening and best < self.config.match_threshold * cap
+
+    def _holds_cold_prefix(self, name: str, hashes: Sequence[BlockHash], matches: Mapping[str, int]) -> bool:
+        """Whether ``name`` holds a prefix of the prompt that its holders can serve at their
+        fair share: the share of recent requests through the deepest block it holds, times the
+        replicas, is at most the replicas holding that deep (``PrefixDemand``). Moving such a
+        request recomputes the prefix and relieves nothing replication would cure; a hot prefix
+        (one system prompt behind every conversation) must be replicated, and is not cold."""
+        depth = matches[name]
+        return depth > 0 and not self._is_hot(hashes, depth, matches)
+
+
+def make_policy(config: RoutingConfig, ring: Ring, branches: BranchStats,
+                demand: PrefixDemand | None = None) -> Policy:
+    """The policy the configuration names (``demand``: the gateway's, which the proxy records)."""
+    if config.policy == "round-robin":
+        return RoundRobinPolicy(config, branches)
+    if config.policy == "least-loaded":
+        return LeastLoadedPolicy(config, branches)
+    return PrefixAffinityPolicy(config, ring, branches, demand)

@@ -1,0 +1,225 @@
+"""Sending a routed request to its replica (``forward``): attempts, retries, the circuit breaker,
+and the in-flight accounting that routing reads.
+
+An attempt that fails before anything reached the client (a connect error, a 5xx, no response
+headers within ``upstream.header_timeout_s`` for a stream) is retried, up to
+``upstream.max_retries`` times, on the replica the policy chooses among those not tried yet.
+Each attempt's outcome goes to the replica's circuit breaker (prefix_router/fleet/breaker.py), except what
+says nothing of the replica: a client that left, and a 5xx that no replica got past. A replica
+that answered 5xx is blamed only once another replica served the same request: a request every
+replica refuses is the request's fault, so a client cannot open breakers by sending requests
+that make replicas fail.
+
+While an attempt is in flight (``InFlight``, also the Endpoint Picker's: ``epp.py``) its replica counts it in ``inflight`` (the load
+bound's load), in ``sent_since_scrape`` (its queue depth) and in its share of recent requests;
+its blocks count as cached at once, in the shadow index and in the KV event view, since vLLM
+makes blocks hittable as soon as they are scheduled and a burst of one prefix must see them.
+Its uncached blocks count in ``prefill_blocks`` (what new work compares) until the replica's
+first token (a stream's first data event; an answer in one body, until it ends). All of it is
+taken back when the attempt ends, whatever the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+
+from prefix_router.fleet.breaker import BreakerState
+from prefix_router.fleet.kv_follower import check_parity
+from prefix_router.prompts.responses import MESSAGES, RESPONSES, Events, chat_usage
+from prefix_router.errors import openai_error
+from prefix_router.gateway import Gateway
+from prefix_router.serve.inbound import Inbound
+from prefix_router.routing.decision import Decision, Route
+from prefix_router.prompts.analysis import PromptInfo
+from prefix_router.serve.relay import CLIENT_GONE, relay
+from prefix_router.fleet.replicas import ReplicaState
+
+__all__ = ["InFlight", "Outcome", "answered", "forward"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a request ended: what learning (prefix_router/serve/learning.py) needs.
+
+    ``replica`` and ``decision`` are None when no replica answered below 500 (the response is
+    then the gateway's 502). ``route``: the decision's route, or ``retry`` for an attempt after
+    the first. ``usage``: the engine's, in the chat's shape whatever the API
+    (``dialects.chat_usage``). ``held_blocks``: blocks the replica held now or lately when it was
+    sent (a miss of those is an eviction). ``evicted_blocks``: which of the predicted blocks (their
+    indices) the replica's KV events showed evicted while the request was in flight. ``answer``: the answer's JSON object when it
+    came in one body, or a Responses stream's completed response; ``response_id``: a Responses
+    answer's id. Times in seconds from sending.
+    """
+
+    response: web.StreamResponse
+    status: int
+    replica: ReplicaState | None = None
+    decision: Decision | None = None
+    route: Route | None = None
+    usage: dict | None = None
+    ttft_s: float | None = None
+    elapsed_s: float = 0.0
+    held_blocks: int = 0
+    evicted_blocks: tuple[int, ...] = ()
+    answer: dict | None = None
+    response_id: str | None = None
+
+
+Choose = Callable[[frozenset[str]], Decision | None]  # the policy's choice among replicas not tried
+
+
+async def forward(request: web.Request, gw: Gateway, inbound: Inbound, info: PromptInfo, decision: Decision,
+                  choose: Choose) -> Outcome:
+    """Send the request where ``decision`` says, retrying where ``choose`` says (module docstring)."""
+    tried: set[str] = set()
+    answered_5xx: list[ReplicaState] = []  # replicas to blame if a later one serves the request
+    last_error = "no replica answered"
+    for attempt in range(gw.config.upstream.max_retries + 1):
+        if attempt:
+            decision = choose(frozenset(tried))
+            if decision is None:
+                break
+        tried.add(decision.replica)
+        replica = gw.replicas.get(decision.replica)
+        if replica is None or not replica.breaker.allows(time.monotonic()):
+            continue  # dropped by discovery, or its breaker opened, while an earlier attempt ran
+        route = Route.RETRY if attempt else decision.route
+        outcome = await _attempt(request, gw, inbound, info, replica, decision, route, answered_5xx)
+        if isinstance(outcome, Outcome):
+            return outcome
+        last_error = outcome
+    return Outcome(openai_error(502, last_error, type_="BadGatewayError"), 502)
+
+
+async def _attempt(request: web.Request, gw: Gateway, inbound: Inbound, info: PromptInfo, replica: ReplicaState,
+                   decision: Decision, route: Route, answered_5xx: list[ReplicaState]) -> Outcome | str:
+    """One attempt on ``replica``: its Outcome once it answered below 500, else why it failed."""
+    header_timeout = gw.config.upstream.header_timeout_s if inbound.stream else None
+    with InFlight(gw, replica, info, decision) as slot:
+        t0 = time.perf_counter()
+        try:
+            # asyncio.timeout, not wait_for: no task of its own per request (None: no limit)
+            async with asyncio.timeout(header_timeout):
+                upstream = await gw.http.post(replica.url + inbound.path, data=inbound.payload, headers=inbound.headers,
+                                              allow_redirects=False)
+            async with upstream:
+                if upstream.status >= 500:
+                    slot.failed = True
+                    answered_5xx.append(replica)
+                    gw.metrics.requests.labels(replica.name, route.value, str(upstream.status)).inc()
+                    return f"replica {replica.name} answered {upstream.status}"
+                events = Events(inbound.path) if inbound.path in (RESPONSES, MESSAGES) else None
+                relayed = await relay(request, upstream, replica.name, stream=inbound.stream,
+                                      client_wants_usage=inbound.client_wants_usage,
+                                      write_timeout_s=gw.config.limits.client_write_timeout_s, sent_at=t0,
+                                      events=events, on_first_token=slot.prefilled)
+                elapsed = time.perf_counter() - t0
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # client-side writes never raise here
+            slot.ok, slot.failed = False, True
+            log.warning("upstream %s failed (%s)", replica.name, type(exc).__name__)
+            gw.metrics.requests.labels(replica.name, route.value, "0").inc()
+            return f"replica {replica.name}: {type(exc).__name__}"
+        slot.relayed(relayed.status)
+        if slot.ok:
+            for earlier in answered_5xx:
+                breaker_record(gw, earlier, False)
+    usage, answer, response_id = answered(inbound.path, events, relayed.answer, relayed.usage)
+    return Outcome(relayed.response, relayed.status, replica, decision, route, usage, relayed.ttft_s, elapsed,
+                   slot.held_blocks, slot.evicted_blocks, answer, response_id)
+
+
+def answered(path: str, events, answer: dict | None, usage) -> tuple[dict | None, dict | None, str | None]:
+    """What learning reads of an answer to ``path``: (its usage in the chat's shape, its JSON
+    object, a Responses answer's id). ``answer`` and ``usage``: the one body's; ``events``: what
+    read the stream (``dialects.Events`` gives a Responses stream's completed response and id),
+    or None."""
+    if answer is None and events is not None:
+        answer = getattr(events, "response", None)
+    response_id = answer.get("id") if path == RESPONSES and answer is not None else getattr(events, "response_id", None)
+    return chat_usage(path, usage), answer, response_id if isinstance(response_id, str) and response_id else None
+
+
+class InFlight:
+    """The accounting of one attempt in flight on a replica (module docstring), as a context
+    manager. ``ok``: the attempt's verdict for the breaker (None: says nothing of the replica)."""
+
+    def __init__(self, gw: Gateway, replica: ReplicaState, info: PromptInfo, decision: Decision) -> None:
+        self.gw, self.replica, self.info, self.decision = gw, replica, info, decision
+        self.ok: bool | None = None
+        self.served = False  # the replica answered 200 and the client got it all
+        self.failed = False  # no answer, or a 5xx: the request goes elsewhere, its blocks will not be here
+        self.evicted_blocks: tuple[int, ...] = ()
+        # what the replica held before this attempt's own blocks count (routing's view of it)
+        self.held_blocks = min(replica.cache_index(info.exact).match_ever(info.hashes), gw.max_hit_blocks(info))
+        # the prompt's blocks (partial last one included) the replica is not believed to hold:
+        # in blocks, so token and character prompts count alike
+        self.prefill = max(-(-info.num_units // gw.unit_block_size(info)) - decision.predicted_blocks, 0)
+
+    def prefilled(self) -> None:
+        """The replica sent the first token: the prompt's prefill no longer queues on it."""
+        self.replica.prefill_blocks -= self.prefill
+        self.prefill = 0
+
+    def relayed(self, status: int) -> None:
+        """The replica answered below 500 and the answer went to the client with ``status``."""
+        self.served = status == 200
+        if status != CLIENT_GONE:
+            self.ok = status != 502  # 502: the replica cut the stream
+
+    def __enter__(self) -> InFlight:
+        gw, r, info = self.gw, self.replica, self.info
+        self.sent_at = now = time.monotonic()
+        r.breaker.on_send(now)
+        r.note_sent(now, gw.config.routing.share_half_life_s)
+        r.sent_since_scrape += 1
+        self.epoch = r.scrape_epoch
+        r.inflight += 1
+        r.prefill_blocks += self.prefill
+        gw.metrics.inflight.labels(r.name).set(r.inflight)
+        gw.admission.notify()  # this request's load is counted: the next waiter, if any, may go
+        self.added = r.shadow.insert(info.hashes)
+        self.view = r.stream.view if r.stream is not None and info.exact else None
+        self.removals = self.view.note_routed(info.hashes) if self.view is not None else 0
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        gw, r, info = self.gw, self.replica, self.info
+        if self.served and info.exact:  # before the view lets go of the blocks it was told of
+            check_parity(gw, r, info.hashes, self.sent_at)
+        if self.served and self.view is not None and gw.request_log is not None:  # read by the request log only
+            self.evicted_blocks = self.view.evicted_since(info.hashes, self.decision.predicted_blocks, self.removals)
+        if r.scrape_epoch == self.epoch:
+            r.sent_since_scrape = max(r.sent_since_scrape - 1, 0)
+        r.inflight -= 1
+        self.prefilled()  # if no first token came
+        gw.metrics.inflight.labels(r.name).set(r.inflight)
+        gw.admission.notify()
+        if self.ok is None:
+            r.breaker.release_trial()  # a half-open breaker may try again
+        else:
+            breaker_record(gw, r, self.ok)
+        if self.view is not None:
+            self.view.release_routed(info.hashes, time.monotonic(), served=self.ok is True)
+        if self.failed:
+            r.shadow.forget(self.added)  # take back what a failed attempt added
+
+
+def breaker_record(gw: Gateway, replica: ReplicaState, ok: bool) -> None:
+    """One attempt's outcome to the replica's breaker; log and export a change of state."""
+    changed = replica.breaker.record(ok, time.monotonic())
+    if changed is BreakerState.OPEN:
+        log.warning("replica %s: circuit breaker open after %d consecutive failed requests; no requests for %.0f s",
+                    replica.name, replica.breaker.failures, replica.breaker.cooldown_s)
+    elif changed is BreakerState.CLOSED:
+        log.info("replica %s: circuit breaker closed (a trial request succeeded)", replica.name)
+    if changed is not None:
+        gw.metrics.breaker_state.labels(replica.name).set(changed)

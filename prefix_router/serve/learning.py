@@ -1,0 +1,151 @@
+"""The last step of a request (``learn``): what its answer teaches the gateway.
+
+From the engine's ``usage`` (``prompt_tokens``, ``prompt_tokens_details.cached_tokens``,
+``completion_tokens``): the request's cache outcome (``conversations.classify``: hit,
+miss_cold, miss_changed, miss_routed, miss_evicted) and the tokens lost; for a changed prefix,
+what the client changed (``causes.explain``) and where (``Gateway.record_change``); the
+conversation's new memory; the decode blocks the replica now holds (shadow index); every
+metric; and, when configured, the request's line in the request log (``requestlog.py``). A
+Responses answer's replica and history are remembered for the requests that continue it
+(``response_homes.py``).
+
+Counts are kept in the gateway's blocks (``Gateway.unit_block_size``); for character blocks
+(no tokenizer) the engine's token counts are scaled by units per token.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prefix_router.misses.diagnosis import explain
+from prefix_router.misses.change_sites import redacted_excerpt
+from prefix_router.misses.classify import CacheResult, Conversation, Verdict, classify
+from prefix_router.prompts.responses import count, output_messages
+from prefix_router.serve.forward import Outcome
+from prefix_router.gateway import Gateway
+from prefix_router.serve.inbound import Inbound
+from prefix_router.routing.decision import Route
+from prefix_router.prompts.analysis import PromptInfo
+from prefix_router.misses.request_log import conversation_tag
+
+__all__ = ["learn"]
+
+log = logging.getLogger(__name__)
+
+
+def learn(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome: Outcome) -> None:
+    """Count and remember what the request's answer says (module docstring). A request no
+    replica answered teaches nothing here (its attempts were counted as they failed)."""
+    replica, decision = outcome.replica, outcome.decision
+    if replica is None or decision is None:
+        return
+    if outcome.response_id is not None:
+        _remember_response(gw, inbound, outcome)
+    name, route, m = replica.name, outcome.route.value, gw.metrics
+    m.requests.labels(name, route, str(outcome.status)).inc()
+    if outcome.route is Route.SPILL and decision.spilled_from:
+        m.spillovers.labels(decision.spilled_from, name).inc()
+    if outcome.ttft_s is not None:
+        m.ttft.labels(name).observe(outcome.ttft_s)
+    m.request_seconds.labels(name).observe(outcome.elapsed_s)
+    usage = outcome.usage
+    if outcome.status != 200 or not usage or not isinstance(usage, dict):
+        log.debug("request to %s, route %s: HTTP %d after %.3f s", name, route, outcome.status, outcome.elapsed_s)
+        if gw.request_log is not None:
+            _log(gw, inbound, replica=name, route=route, status=outcome.status, ttft_s=outcome.ttft_s,
+                 elapsed_s=round(outcome.elapsed_s, 6), conversation=conversation_tag(info.conversation))
+        return
+    prompt_tokens, cached_tokens, cached_blocks, to_tokens = _engine_hit(gw, info, usage)
+    replica.shadow.add_output(count(usage.get("completion_tokens")) // gw.block_size, info.hashes)
+    m.prompt_tokens.labels(name).inc(prompt_tokens)
+    m.cached.labels(name).inc(cached_tokens)
+    predicted = min(int(decision.predicted_blocks * to_tokens), prompt_tokens)
+    m.cached_predicted.labels(name).inc(predicted)
+    conversation = info.conversation  # "" for a completion without a session key: see prompts.py
+    previous = gw.conversations.get(conversation) if conversation else None
+    verdict = classify(hashes=info.hashes, message_hashes=info.message_hashes, previous=previous,
+                       cached_blocks=cached_blocks, predicted_blocks=decision.predicted_blocks,
+                       best_blocks=decision.best_blocks, max_hit_blocks=gw.max_hit_blocks(info),
+                       block_size=1, held_blocks=outcome.held_blocks)
+    m.cache_requests.labels(name, verdict.result.value).inc()
+    lost = int(verdict.lost_tokens * to_tokens)
+    if verdict.lost_tokens:
+        m.lost_tokens.labels(name, verdict.result.value.removeprefix("miss_")).inc(lost)
+    change = _record_change(gw, inbound, info, verdict, previous, to_tokens, lost)
+    if conversation:
+        gw.conversations.put(conversation, Conversation.of(info.hashes, info.message_hashes, info.print))
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("request to %s, route %s: %s, %d prompt tokens, %d cached (%d predicted), TTFT %s", name, route,
+                  verdict.result.value, prompt_tokens, cached_tokens, predicted,
+                  "-" if outcome.ttft_s is None else f"{outcome.ttft_s:.3f} s")
+    if gw.request_log is not None:
+        evicted = evicted_in_flight_tokens(outcome.evicted_blocks, cached_blocks, predicted, to_tokens)
+        _log(gw, inbound, replica=name, route=route, status=outcome.status, prompt_tokens=prompt_tokens,
+             cached_tokens=cached_tokens, predicted_cached_tokens=predicted, evicted_in_flight_tokens=evicted,
+             result=verdict.result.value, lost_tokens=lost, cause=change.cause.value if change else None,
+             diverged_message=change.message_index if change else None,
+             diverged_token=int(verdict.diverged_block * to_tokens) if change else None,
+             conversation=conversation_tag(conversation), spilled_from=decision.spilled_from,
+             ttft_s=outcome.ttft_s, elapsed_s=round(outcome.elapsed_s, 6))
+
+
+def _engine_hit(gw: Gateway, info: PromptInfo, usage: dict) -> tuple[int, int, int, float]:
+    """The engine's ``usage`` in the gateway's blocks: (prompt tokens, cached tokens, cached
+    blocks of ``info``'s, tokens per such block). Exact token blocks map one to one; character
+    blocks (no tokenizer) scale by the prompt's characters per token."""
+    details = usage.get("prompt_tokens_details")
+    prompt_tokens = count(usage.get("prompt_tokens"))
+    cached_tokens = min(count(details.get("cached_tokens")) if isinstance(details, dict) else 0, prompt_tokens)
+    unit = gw.unit_block_size(info)
+    scale = (info.num_units / prompt_tokens) if (not info.exact and prompt_tokens) else 1.0
+    cached_blocks = int(cached_tokens * scale) // unit
+    if not info.exact and cached_tokens:
+        # Character blocks straddle the engine's token blocks: allow one block of rounding, or a
+        # full hit reads as an eviction of its last block.
+        cached_blocks = min(cached_blocks + 1, gw.max_hit_blocks(info))
+    return prompt_tokens, cached_tokens, cached_blocks, (unit / scale if scale else unit)
+
+
+def evicted_in_flight_tokens(evicted_blocks: tuple[int, ...], cached_blocks: int, predicted_tokens: int,
+                             to_tokens: float) -> int:
+    """Of the ``predicted_tokens`` a request was routed for, those the replica's KV events showed
+    evicted while it waited to be scheduled: from the first block evicted in flight
+    (``Outcome.evicted_blocks``, ascending indices) at or past ``cached_blocks``, where the
+    engine's hit stopped, to the prediction's end. A block evicted and stored again before the
+    request was scheduled (another request recomputed it), or evicted after it was (vLLM preempts
+    a running request and frees its blocks), did not stop the hit and counts for nothing.
+    ``to_tokens``: tokens per block. 0 when no such block."""
+    stop = next((i for i in evicted_blocks if i >= cached_blocks), None)
+    return 0 if stop is None else predicted_tokens - min(int(stop * to_tokens), predicted_tokens)
+
+
+def _record_change(gw: Gateway, inbound: Inbound, info: PromptInfo, verdict: Verdict, previous,
+                   to_tokens: float, lost: int):
+    """For a miss_changed: what the client changed (``causes.Change``), counted in the change
+    sites with a redacted excerpt when ``changes.snippets`` is on; else None."""
+    if verdict.result is not CacheResult.MISS_CHANGED:
+        return None
+    change = explain(previous.print, info.print, verdict.diverged_message)
+    excerpt = (redacted_excerpt(inbound.prompt, change, gw.config.changes.snippet_chars)
+               if gw.config.changes.snippets else None)
+    gw.record_change(change, verdict.diverged_block, int(verdict.diverged_block * to_tokens), lost, excerpt)
+    return change
+
+
+def _remember_response(gw: Gateway, inbound: Inbound, outcome: Outcome) -> None:
+    """A Responses answer's replica and, for a finished one vLLM stores, its history: the
+    prompt's messages and the output (``dialects.output_messages``), as vLLM's ``msg_store``
+    and ``response_store`` give them to a request continuing it."""
+    answer, history = outcome.answer, None
+    if (answer is not None and inbound.body.get("store") is not False and inbound.prompt is not None
+            and answer.get("status") in ("completed", "incomplete")):
+        history = [*inbound.prompt["messages"], *output_messages(answer)]
+    gw.response_homes.remember(outcome.response_id, outcome.replica.name, history, owner=inbound.tenant)
+
+
+def _log(gw: Gateway, inbound: Inbound, **fields) -> None:
+    """One request-log line; with ``request_log_bodies`` also the path and the body sent (the
+    chat request a Responses or Messages body is rendered as, which the audit can read)."""
+    if gw.config.request_log_bodies:
+        fields.update(path=inbound.path, body=inbound.prompt)
+    gw.request_log.write(**fields)
