@@ -111,7 +111,8 @@ async def fixed_rate(url: str, requests: list[list[dict]], rate: float) -> list[
 def decision_times(requests, tokenizer_dir: Path) -> dict:
     """Per-request analyze+select time (incremental tokenizer) and a full tokenization's time."""
     from prefix_router.config import RoutingConfig
-    from prefix_router.cache.index import BranchStats, ShadowIndex
+    from prefix_router.cache.shadow import ShadowIndex
+    from prefix_router.routing.prefix_stats import BranchStats
     from prefix_router.routing.bounds import ReplicaView
     from prefix_router.routing.policy import PrefixAffinityPolicy
     from prefix_router.prompts.analysis import analyze

@@ -29,7 +29,7 @@ from prefix_router.config import GatewayConfig, ReplicaConfig
 from prefix_router.constants import VLLM_BLOCK_SIZE
 from prefix_router.misses.classify import Conversations
 from prefix_router.prompts.anthropic import merges_inline_system
-from prefix_router.cache.index import BranchStats, PrefixDemand
+from prefix_router.routing.prefix_stats import BranchStats, PrefixDemand
 from prefix_router.metrics import GatewayMetrics
 from prefix_router.routing.policy import make_policy
 from prefix_router.prompts.analysis import PromptInfo

@@ -8,7 +8,8 @@ import itertools
 import pytest
 
 from prefix_router.cache.blocks import BlockHash, block_hashes, seed_hash
-from prefix_router.cache.index import BranchStats, PrefixDemand, ShadowIndex
+from prefix_router.cache.shadow import ShadowIndex
+from prefix_router.routing.prefix_stats import BranchStats, PrefixDemand
 
 _fresh = itertools.count(1_000_000)
 

@@ -26,7 +26,8 @@ import zmq.asyncio
 
 from prefix_router.cache import stream as kvstream
 from prefix_router.cache.blocks import block_hashes, seed_hash
-from prefix_router.cache.events import BlockStored, EngineView, decode_batch
+from prefix_router.cache.engine_view import EngineView
+from prefix_router.cache.events import BlockStored, decode_batch
 from prefix_router.cache.stream import EventStream
 from prefix_router.tools.sim import kv_events as sim_events
 

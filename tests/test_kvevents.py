@@ -12,7 +12,8 @@ import msgspec
 import pytest
 
 from prefix_router.cache.blocks import block_hashes, seed_hash
-from prefix_router.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineView, decode_batch
+from prefix_router.cache.engine_view import EngineView
+from prefix_router.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from prefix_router.cache.stream import EventStream
 from prefix_router.serve.learning import evicted_in_flight_tokens
 from prefix_router.tools.sim import kv_events as sim_events

@@ -9,7 +9,8 @@ import pytest
 
 from prefix_router.cache.blocks import BlockHash
 from prefix_router.config import RoutingConfig
-from prefix_router.cache.index import BranchStats, ShadowIndex
+from prefix_router.cache.shadow import ShadowIndex
+from prefix_router.routing.prefix_stats import BranchStats
 from prefix_router.routing.bounds import in_flight_regime, load_bound, within_bound
 from prefix_router.routing.baselines import LeastLoadedPolicy, RoundRobinPolicy
 from prefix_router.routing.bounds import ReplicaView

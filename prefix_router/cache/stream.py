@@ -39,12 +39,13 @@ import zmq
 import zmq.asyncio
 from zmq.utils import monitor as zmq_monitor
 
-from prefix_router.cache.events import END_SEQ, EngineView, decode_events, to_event
+from prefix_router.cache.engine_view import EngineView
+from prefix_router.cache.events import END_SEQ, decode_events, to_event
 
 __all__ = ["EventStream", "REBUILD_BLOCKS"]
 
 # What any publisher can make a stream hold or do: a message of at most MAX_MESSAGE_BYTES, decoded
-# typed (kvevents) into a bounded multiple of that, applied SLICE_BLOCKS at a time; at most
+# typed (cache/events.py) into a bounded multiple of that, applied SLICE_BLOCKS at a time; at most
 # LIVE_QUEUE messages queued; a replay of at most REPLAY_MAX_BYTES; sequence numbers below MAX_SEQ.
 MAX_MESSAGE_BYTES = 4 << 20
 """Bytes in one message (ZMQ's MAXMSGSIZE, on the SUB and the replay DEALER: a larger message

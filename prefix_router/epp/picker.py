@@ -244,7 +244,7 @@ class Exchange:
             return [immediate(routed)]
         self.inbound, (self.info, self.decision, _) = inbound, routed
         replica = self.gw.replicas[self.decision.replica]
-        self.slot = InFlight(self.gw, replica, self.info, self.decision).__enter__()
+        self.slot = InFlight(self.gw, replica, self.info, self.decision).acquire()
         self.sent_at = time.perf_counter()
         dialect = inbound.path in (RESPONSES, MESSAGES)
         self.events = Events(inbound.path) if dialect and inbound.stream else (
@@ -287,10 +287,10 @@ class Exchange:
             return
         failed, self.slot = self.slot, None
         failed.ok, failed.failed = False, True
-        failed.__exit__(None, None, None)
+        failed.release()
         held = self.decision.matches.get(served, 0)  # what the fallback holds, not the chosen one
         self.slot = InFlight(self.gw, self.gw.replicas[served], self.info,
-                             dataclasses.replace(self.decision, replica=served, predicted_blocks=held)).__enter__()
+                             dataclasses.replace(self.decision, replica=served, predicted_blocks=held)).acquire()
         self.route = Route.RETRY
 
     def on_response_headers(self, request: pb.ProcessingRequest) -> Answers:
@@ -352,7 +352,7 @@ class Exchange:
             self.ttft = elapsed
         slot.relayed(self.status if self.status < 500 else 502)
         slot.failed = self.status >= 500
-        slot.__exit__(None, None, None)
+        slot.release()
         if self.status >= 500:
             return
         usage, answer, response_id = answered(self.inbound.path, self.events, answer, usage)
@@ -364,4 +364,4 @@ class Exchange:
         """Envoy ended the stream before the answer did (the client left, a timeout)."""
         if self.slot is not None:
             slot, self.slot = self.slot, None
-            slot.__exit__(None, None, None)
+            slot.release()

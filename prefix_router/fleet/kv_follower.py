@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from prefix_router.cache.blocks import BlockHash, seed_hash
-from prefix_router.cache.events import EngineView
+from prefix_router.cache.engine_view import EngineView
 from prefix_router.cache.stream import EventStream
 
 if TYPE_CHECKING:

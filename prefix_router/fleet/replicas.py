@@ -33,8 +33,8 @@ import aiohttp
 from prefix_router.routing.bounds import SHARE_DIGITS
 from prefix_router.fleet.breaker import CircuitBreaker
 from prefix_router.config import BreakerConfig, HealthConfig, ReplicaConfig
-from prefix_router.cache.index import ShadowIndex
-from prefix_router.cache.events import EngineView
+from prefix_router.cache.shadow import ShadowIndex
+from prefix_router.cache.engine_view import EngineView
 from prefix_router.cache.stream import EventStream
 
 __all__ = ["ReplicaState", "parse_engine_metrics", "check_once", "check_all", "apply_health", "apply_metrics", "poll_health",

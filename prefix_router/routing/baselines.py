@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 
 from prefix_router.cache.blocks import BlockHash
-from prefix_router.cache.index import BranchStats
+from prefix_router.routing.prefix_stats import BranchStats
 from prefix_router.config import RoutingConfig
 from prefix_router.routing.bounds import ReplicaView
 from prefix_router.routing.decision import Decision, Route, routing_key

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prefix_router.config import RoutingConfig
-from prefix_router.cache.index import ShadowIndex
+from prefix_router.cache.shadow import ShadowIndex
 
 __all__ = ["SHARE_DIGITS", "SHARE_TOLERANCE", "Bounds", "ReplicaView", "load_bound", "in_flight_regime", "within_bound"]
 

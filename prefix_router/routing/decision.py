@@ -15,7 +15,7 @@ from typing import Protocol
 import xxhash
 
 from prefix_router.cache.blocks import BlockHash
-from prefix_router.cache.index import BranchStats
+from prefix_router.routing.prefix_stats import BranchStats
 from prefix_router.routing.bounds import ReplicaView
 
 __all__ = ["Route", "Decision", "Policy", "routing_key"]

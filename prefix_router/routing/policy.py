@@ -54,7 +54,7 @@ from functools import partial
 from prefix_router.cache.blocks import BlockHash
 from prefix_router.routing.bounds import SHARE_TOLERANCE, Bounds, ReplicaView, within_bound
 from prefix_router.config import RoutingConfig
-from prefix_router.cache.index import BranchStats, PrefixDemand
+from prefix_router.routing.prefix_stats import BranchStats, PrefixDemand
 from prefix_router.routing.baselines import LeastLoadedPolicy, RoundRobinPolicy
 from prefix_router.routing.decision import Decision, Policy, Route, routing_key
 from prefix_router.routing.ring import Ring

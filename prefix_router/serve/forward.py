@@ -149,8 +149,11 @@ def answered(path: str, events, answer: dict | None, usage) -> tuple[dict | None
 
 
 class InFlight:
-    """The accounting of one attempt in flight on a replica (module docstring), as a context
-    manager. ``ok``: the attempt's verdict for the breaker (None: says nothing of the replica)."""
+    """The accounting of one attempt in flight on a replica (module docstring): ``acquire`` counts
+    it on the replica, ``release`` takes it off, each at most once whatever calls it again, so an
+    attempt that ends several ways at once (an answer, a client that left, a fallback that served
+    it: the Endpoint Picker's paths) is counted once. ``with InFlight(...) as slot`` does both.
+    ``ok``: the attempt's verdict for the breaker (None: says nothing of the replica)."""
 
     def __init__(self, gw: Gateway, replica: ReplicaState, info: PromptInfo, decision: Decision) -> None:
         self.gw, self.replica, self.info, self.decision = gw, replica, info, decision
@@ -163,6 +166,7 @@ class InFlight:
         # the prompt's blocks (partial last one included) the replica is not believed to hold:
         # in blocks, so token and character prompts count alike
         self.prefill = max(-(-info.num_units // gw.unit_block_size(info)) - decision.predicted_blocks, 0)
+        self.acquired = self.released = False
 
     def prefilled(self) -> None:
         """The replica sent the first token: the prompt's prefill no longer queues on it."""
@@ -176,6 +180,17 @@ class InFlight:
             self.ok = status != 502  # 502: the replica cut the stream
 
     def __enter__(self) -> InFlight:
+        return self.acquire()
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+    def acquire(self) -> InFlight:
+        """Count the attempt on its replica (load, prefill queued, breaker trial, shadow index,
+        the engine view's routed blocks). A second call does nothing."""
+        if self.acquired:
+            return self
+        self.acquired = True
         gw, r, info = self.gw, self.replica, self.info
         self.sent_at = now = time.monotonic()
         r.breaker.on_send(now)
@@ -191,7 +206,12 @@ class InFlight:
         self.removals = self.view.note_routed(info.hashes) if self.view is not None else 0
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def release(self) -> None:
+        """Take the attempt off its replica and give the breaker its verdict (``ok``); a failed
+        attempt's blocks leave the shadow index. Does nothing before ``acquire`` or a second time."""
+        if not self.acquired or self.released:
+            return
+        self.released = True
         gw, r, info = self.gw, self.replica, self.info
         if self.served and info.exact:  # before the view lets go of the blocks it was told of
             check_parity(gw, r, info.hashes, self.sent_at)
