@@ -23,10 +23,8 @@ CHAR_BLOCK_SIZE = 64
 
 # Token ids of rendered prompts the tokenizer keeps to tokenize a conversation's next turn
 # incrementally (``index.tokenizer_cache_tokens``' default, ``HFTokenizer``'s too): 16 million,
-# about 170 MB at 10.5 bytes a token. Measured (``bench.overhead_wrk --tokens 32000``: 256
-# conversations in flight, each turn 256 bodies after the last): at 4 million every turn's
-# prefix had gone and the gateway spent 18.0 ms of CPU a request; at 16 million 8.3; at 40
-# million 5.2 (one run each)
+# about 170 MB at 10.5 bytes a token: enough that 256 conversations of 32k tokens in flight find
+# their prefix on the next turn, where a quarter of it let every one go (docs/performance-notes.md)
 TOKENIZER_CACHE_TOKENS = 16_000_000
 
 # vllm/v1/metrics/loggers.py (0.32), PrometheusStatLogger's histogram buckets in seconds: the

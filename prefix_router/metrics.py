@@ -21,8 +21,8 @@ __all__ = ["GatewayMetrics", "METRIC_NAMES", "sample_sum"]
 
 # Seconds; TTFT and request buckets are vLLM's (prefix_router/constants.py).
 ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
-# Measured in the gateway at 50 requests/s of ~1k-token chats: 0.6 ms a later turn, 1.2 ms a
-# first; in one process, a 32k-token first turn's encode ~10 ms. Up to a second for what queues.
+# From tens of microseconds (a later turn, its prefix known) to tens of milliseconds (a 32k-token
+# first turn's encode), and up to a second for what queues (docs/performance-notes.md).
 ANALYSIS_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 

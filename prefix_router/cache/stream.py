@@ -64,7 +64,7 @@ The publisher buffers 10,000 batches (``buffer_steps``); 64 MiB is ~650 of its 8
 prefill steps, or the whole buffer at 6.7 KB a batch."""
 REPLAY_MESSAGE_BYTES = 256  # what a message kept costs beyond its bytes (tuple, int, bytes object)
 SLICE_S = 0.005  # a stream's run between yields to the event loop (a ready socket never yields by itself)
-SLICE_BLOCKS = 2048  # blocks the view stores or removes in one step: 1-3 ms (a 4 MiB message's decoding: ~50)
+SLICE_BLOCKS = 2048  # blocks the view stores or removes in one step: a few ms, so the loop stays responsive
 MAX_SEQ = 1 << 63  # vLLM counts from 0 (``itertools.count``); -1, read unsigned 2**64 - 1, ends a replay
 RESUBSCRIBE_WAIT_S = 1.0  # after a dropped connection: a publisher that drops it on purpose costs a replay a second
 CONNECT_WAIT_S = 5.0  # a publisher not connected by then: catch up anyway (the live stream repairs later)

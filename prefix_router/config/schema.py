@@ -61,8 +61,7 @@ class RoutingConfig:
     # the load bound: a replica may take a request while its load after it is at most
     # ceil(max(load_factor x mean, mean + load_slack)), the mean counting the new request
     # (consistent hashing with bounded loads; KubeAI's CHWBL uses 1.25). Lower spreads more and
-    # caches less. Measured on the built-in mixed workload (48 sessions, 4 replicas): 1.25 / 1
-    # reused 0.657 with the busiest replica at 1.14x its share, 1.5 / 2 0.671 at 1.41x
+    # caches less (docs/routing-rule.md, step 2)
     load_factor: float = 1.25
     # requests over the mean any replica may carry whatever the factor: at low load the factor
     # alone turns a second request for a document away from the one replica holding it while
@@ -77,19 +76,9 @@ class RoutingConfig:
     # share: PrefixDemand) keeps the request up to looser bounds, in flight and in share, with
     # holder_slack in place of load_slack: moving it would recompute the prefix to relieve a
     # load that replicating it cannot cure. Both factors at load_factor and holder_slack at
-    # load_slack turn it off. Measured on 4 simulated replicas (bench.compare --quick, one run
-    # each): SGLang's shared-prefix shape 0.838 -> 0.882 (the pooled bound) at 1.25x busiest,
-    # vLLM's prefix_repetition chat 0.753 -> 0.798, a dozen agent sessions 0.833 -> 0.865, 400
-    # sessions of one system prompt 0.924 -> 0.929. The share factor acts only while the
-    # in-flight bound is all slack (bounds.in_flight_regime). Raising it trades balance for
-    # reuse on few sessions: 2.5 took the built-in agent workload and a dozen agent sessions
-    # from 0.856 / 0.862 to 0.864 / 0.871, the busiest replica from 1.49x / 1.85x to 1.78x / 1.89x
-    # (medians of 3 runs, 4 replicas, bench.compare --quick --shapes dozen). The slack is 4, not
-    # 2: on a nearly idle fleet (8 replicas, a request or so in flight on each) a slack of 2 let a
-    # holder run 3 requests, and the fourth question about a document recomputed it elsewhere,
-    # though vLLM runs all four in one batch: 7-8 documents a run on vLLM's prefix_repetition,
-    # chat 0.836 -> 0.846 and completions 0.842 -> 0.853 with 4 (the best peers' figures), the
-    # busiest replica 1.11x / 1.23x -> 1.25x / 1.25x (bench.compare full mode, one run each)
+    # load_slack turn it off. 1.5 in share keeps the busiest replica near its share where higher
+    # factors gained little reuse; a slack of 4 lets a holder batch the few questions a
+    # nearly idle fleet sends about one document (docs/routing-rule.md, step 2)
     holder_load_factor: float = 2.0
     holder_share_factor: float = 1.5
     holder_slack: int = 4
@@ -97,12 +86,9 @@ class RoutingConfig:
     # work: it goes to the replica within the bounds with the least prompt queued for prefill
     # (then load, then fewest blocks: prefix_router/routing/policy.py, step 3), not to the one holding that
     # small prefix, which would draw every new conversation sharing a hot base onto one replica
-    # (sglang-router's and vllm-router's cache_threshold, 0.5). Measured with the fewest blocks
-    # alone (bench.compare --quick, medians of 3, off then on): the built-in agent workload
-    # 0.852 -> 0.860 with the busiest replica 1.62x -> 1.17x. It reads this instance's picture:
-    # four instances without KV events reused 0.638 against 0.664 on the built-in mixed
-    # workload with it (0.796 against 0.781 on a dozen agent sessions; bench.instances), so
-    # several instances without events may want 0, which turns it off
+    # (sglang-router's and vllm-router's cache_threshold, 0.5). It reads this instance's picture:
+    # several instances without KV events may want 0, which turns it off (docs/routing-rule.md,
+    # step 3)
     match_threshold: float = 0.5
     # this gateway is the only router in front of these replicas (one instance, workers 1): a
     # prompt nobody holds any of is new work too, placed by this instance's picture (least
@@ -110,12 +96,7 @@ class RoutingConfig:
     # workers above 1, keep it on the ring, where every instance puts it at once, KV events or
     # not: an engine publishes a prefix only once it has computed it, and until then every
     # instance would see the same replica holding the fewest blocks (four instances with events
-    # computed 16 documents 21 times a run on SGLang's shape). Measured (bench.compare --quick, medians of 3):
-    # vLLM's prefix_repetition chat 0.787 -> 0.796 with the busiest replica 1.20x -> 1.05x,
-    # completions 0.800 -> 0.800 at 1.26x -> 1.05x, SGLang's shared-prefix shape 0.879 -> 0.882
-    # (the pooled bound) at 1.25x -> 1.00x: the ring placed documents unevenly. A second A/B a
-    # day later (3 runs each, same hour): chat 0.796 -> 0.791 at 1.25x -> 1.05x, completions
-    # 0.800 -> 0.805 at 1.16x -> 1.10x: the balance holds, the hit rate moves within the noise
+    # computed 16 documents 21 times a run on SGLang's shape; docs/routing-rule.md, step 3)
     sole_router: bool = True
     # request header whose value keys a session to a replica (multi-turn chats stay together)
     session_header: str = "X-Session-ID"
@@ -265,8 +246,8 @@ class LimitsConfig:
     # bodies up to this size are tokenized and hashed on the event loop; bigger ones in a
     # worker thread, which lets the loop serve other streams meanwhile (the tokenizer's Rust
     # encode releases the GIL) at the cost of the hop (futures, a wake-up, GIL hand-offs: about
-    # a sixth of the CPU of a 1k-token chat, measured with py-spy). Measured on one core: a
-    # warm 1k-token chat analyses in 0.5 ms, 8k in 1.3 ms; a cold 4k-token prompt in about 9 ms
+    # a sixth of the CPU of a 1k-token chat under py-spy, bench/results/overhead-profile.md);
+    # 16 KiB (about 4k tokens) keeps a warm prompt's analysis near a millisecond
     inline_analysis_bytes: int = 16 * 1024
     # JSON values a body may hold (an upper bound counted before parsing: its commas, brackets
     # and braces, those in strings too), so a body's parsed size stays within a small multiple

@@ -59,8 +59,8 @@ FIXES = {
 # Spans that change between requests without changing meaning. Order matters: UUIDs and ISO
 # timestamps before the bare numbers inside them. Every alternative starts with a digit or a hex
 # letter, and the leading lookahead says so: sre then rejects every other position with one test
-# instead of five (0.43-0.48x the time on agent traces and on vllm bench's random text, measured;
-# tests/test_causes.py holds it equal to the pattern without it).
+# instead of five, about half the time (docs/performance-notes.md); the tests hold it equal to
+# the pattern without it.
 VOLATILE_SPANS = (
     r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"  # UUID
     r"|\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?"  # ISO date/time

@@ -100,8 +100,8 @@ class HFTokenizer:
     by a hash of that text; a later prompt starting with the same text tokenizes only the rest,
     and the gateway hashes only its new blocks. Tokenizers whose special tokens strip
     neighbouring whitespace (``lstrip``/``rstrip``) or are normalised break that independence:
-    for those the cache is off. Measured on one core: encoding an 11,000-token agent prompt
-    takes about 24 ms, rendering its template 1.4 ms.
+    for those the cache is off. Encoding dominates a long prompt's analysis, rendering the
+    template is a small part (docs/performance-notes.md).
 
     Raises OSError, with a message naming the path and the fix, when there is no such folder or
     cached model, or the folder holds no tokenizer.
@@ -127,7 +127,7 @@ class HFTokenizer:
                           ) from None
         self._backend = self._tok.backend_tokenizer
         # tokenizers >= 0.20's ``encode_batch_fast`` gives the same ids without the offsets that
-        # nothing here reads: 0.68-0.71x ``encode``'s time on 600- and 2,400-token texts (measured)
+        # nothing here reads, in about two thirds of ``encode``'s time (docs/performance-notes.md)
         self._encode_fast = getattr(self._backend, "encode_batch_fast", None)
         self.vocab_size = len(self._tok)
         self._token_text: dict[int, str] = {}
@@ -216,8 +216,8 @@ class HFTokenizer:
                     self._prefixes.move_to_end(boundaries[i][1])
                     cut, num_known = boundaries[i][0], i + 1
                     break
-        # arrays, not lists, from end to end: a list of 28,000 ids costs 0.4 ms to make from an
-        # array and as much to turn back into one (measured); an array's copy is one memcpy
+        # arrays, not lists, from end to end: turning a long prompt's ids into a list and back
+        # costs about as much as hashing its blocks; an array's copy is one memcpy
         ids = known.ids[:] if known is not None else array("q")
         start = len(ids)
         tail = self.encode(text[cut:], add_special_tokens=False)
