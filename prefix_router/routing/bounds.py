@@ -5,7 +5,8 @@ A replica may take a request while its load after taking it is at most
 al., "Consistent Hashing with Bounded Loads", SODA 2018; KubeAI's CHWBL,
 ``internal/loadbalancer/balance_chwbl.go``, with 1.25). ``Bounds`` holds the four bounds of one
 request: in flight and in recent share, for any replica and for a holder of a cold prefix. Why
-each exists and what it was measured to do: step 2 of ``prefix_router/routing/policy.py``'s docstring.
+each exists: step 2 of ``prefix_router/routing/policy.py``'s docstring; what it was measured to do:
+``docs/routing-rule.md``.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class Bounds:
         total_share = sum(v.recent for v in replicas.values())
         # past the slack the in-flight bound sees the load: no share bound for the holder. Nor
         # with several instances: each counts shares over its own part of the traffic, a sample
-        # too small to tell a holder's fair share (measured: ``prefix_router/routing/policy.py``'s docstring, step 2)
+        # too small to tell a holder's fair share (docs/routing-rule.md, step 2)
         in_flight = in_flight_regime(total_load, n, cfg.load_factor, cfg.load_slack)
         holder_share = (math.inf if in_flight or not cfg.sole_router
                         else load_bound(total_share, n, cfg.holder_share_factor, cfg.holder_slack))
