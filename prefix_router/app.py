@@ -4,7 +4,7 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/r
 ``POST /v1/messages`` (routed by prefix and proxied: ``proxy.py``),
 ``GET /v1/models`` (the union of the healthy replicas'), ``GET /health`` (liveness), ``GET /ready``
 (200 once a replica is on the ring: it passed a health check and a scrape since start; else 503), ``GET /metrics``, ``GET /replicas``
-and ``GET /debug/changes?top=N`` (why clients changed their prefixes: ``changes.py``); those two
+and ``GET /debug/changes?top=N`` (why clients changed their prefixes: ``misses/change_sites.py``); those two
 need an admin key once any key is configured (``tenants.py``). Every other path goes to the
 replicas (``passthrough.py``: to one, or an operator's to all). Errors are OpenAI-style JSON,
 aiohttp's own 405 and 413 included, and so are the answers aiohttp's HTTP parser gives before any

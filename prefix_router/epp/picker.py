@@ -1,6 +1,6 @@
 """The gateway as an Endpoint Picker: Envoy's external processor, choosing the replica of each
 request by the same analysis, policy and accounting as ``serve`` (``prefix-router epp``).
-``Exchange`` is one HTTP request's exchange; ``epp_server.py`` serves it over gRPC.
+``Exchange`` is one HTTP request's exchange; ``epp/server.py`` serves it over gRPC.
 
 The Gateway API Inference Extension's Endpoint Picker protocol
 (kubernetes-sigs/gateway-api-inference-extension, ``docs/proposals/004-endpoint-picker-protocol``):
@@ -32,7 +32,7 @@ chosen, then answers the headers and streams the body back, and streams every an
 - the response headers: the endpoint that served the request where the gateway reports it
   (``envoy.lb/x-gateway-destination-endpoint-served``); a fallback's answer counts on the
   fallback, as a retry, and the chosen replica's breaker hears of its failure;
-- the response body: passed on through ``relay.UsageFilter`` (or ``dialects.Events``), so the
+- the response body: passed on through ``relay.UsageFilter`` (or ``responses.Events``), so the
   client sees what ``serve`` would send, and read for the engine's usage; at its end,
   ``learning.learn`` as for ``serve``.
 

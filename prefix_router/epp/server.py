@@ -1,4 +1,4 @@
-"""The Endpoint Picker's gRPC server: Envoy's ``ExternalProcessor/Process`` (one ``epp.Exchange``
+"""The Endpoint Picker's gRPC server: Envoy's ``ExternalProcessor/Process`` (one ``picker.Exchange``
 a stream) and the standard gRPC health service, for an aiohttp application's lifetime.
 """
 
@@ -28,7 +28,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 READINESS = ("readiness", "", pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name, "inference-extension")
 
 class Picker(pb_grpc.ExternalProcessorServicer):
-    """``ExternalProcessor/Process`` for one gateway (``epp.py``'s docstring)."""
+    """``ExternalProcessor/Process`` for one gateway (``epp/picker.py``'s docstring)."""
 
     def __init__(self, gw: Gateway, fallbacks: int = 0) -> None:
         self.gw, self.fallbacks = gw, fallbacks

@@ -87,7 +87,7 @@ async def event_endpoints(gw: Gateway, replica: ReplicaState) -> tuple[str, str 
 
 def _seeder(replica: ReplicaState):
     def seed(lora_name: str | None, cache_salt: str | None) -> BlockHash:
-        # the gateway seeds a prompt by the model name the request gives (prompts.analyze): the
+        # the gateway seeds a prompt by the model name the request gives (analysis.analyze): the
         # adapter's name for a LoRA request, else the replica's first served name
         return seed_hash(lora_name or (replica.models[0] if replica.models else ""), cache_salt)
     return seed

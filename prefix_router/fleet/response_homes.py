@@ -7,7 +7,7 @@ request naming it as ``previous_response_id`` succeed only on that replica; any 
 The gateway remembers the replica of every response id it relayed, newest first, bounded, and,
 for a response it routed by prefix (``proxy.py``), the chat messages vLLM stored with it and its
 output: a later request naming it as ``previous_response_id`` is rendered, as vLLM renders it,
-from those (``dialects.responses_prompt``).
+from those (``responses.responses_prompt``).
 
 Under tenants a Response belongs to the tenant that created it: vLLM would serve it to anyone
 who names its id, so the gateway remembers each id's tenant and answers 404 to any other

@@ -1,6 +1,6 @@
 """The gateway's record of why clients changed their prefixes: ``GET /debug/changes``.
 
-Every ``miss_changed`` (see ``conversations.py``) is diagnosed by ``causes.diagnose`` against
+Every ``miss_changed`` (see ``misses/classify.py``) is diagnosed by ``diagnosis.diagnose`` against
 the conversation's previous request and recorded here under its site: (cause, message index,
 role, the gateway's block where the prompts diverged). The site shows the token position of
 the first change recorded there: without a tokenizer a position is an estimate from characters,

@@ -58,7 +58,7 @@ class Conversation:
 
     hashes: array  # "Q": the block hashes
     message_hashes: array  # "Q": the tool list's hash, then one per message
-    print: RequestPrint | None = None  # for causes.diagnose: about 32 bytes a message more
+    print: RequestPrint | None = None  # for diagnosis.diagnose: about 32 bytes a message more
 
     @classmethod
     def of(cls, hashes: Sequence[BlockHash], message_hashes: Sequence[int],

@@ -100,7 +100,7 @@ def _canonical(text: str) -> str | None:
 def digest(value) -> int:
     """A stable 64-bit hash of one message (or the tool list): a plain ``{role, content}`` message
     hashes its text as it is, anything else its JSON, so long messages are not re-serialised.
-    The gateway's per-message hashes (``prompts.PromptInfo.message_hashes``) are these."""
+    The gateway's per-message hashes (``analysis.PromptInfo.message_hashes``) are these."""
     if isinstance(value, dict) and isinstance(value.get("content"), str) and len(value) == 2 and "role" in value:
         return xxhash.xxh3_64_intdigest(value["content"].encode("utf-8", "surrogatepass"),
                                         xxhash.xxh3_64_intdigest(str(value["role"]).encode("utf-8", "surrogatepass")))
@@ -191,7 +191,7 @@ def fingerprint(body: dict, previous: RequestPrint | None = None,
     reuse its masked and canonical hashes, and an unchanged tool list its tool hashes, so a turn
     costs the regular-expression and JSON work of what is new only. ``digests``: the request's
     ``digest`` of its tool list then of each message, when the caller has them
-    (``prompts.PromptInfo.message_hashes``). New messages are masked and parsed up to
+    (``analysis.PromptInfo.message_hashes``). New messages are masked and parsed up to
     ``PRINT_BUDGET_CHARS`` in all; later ones are hashed as they are.
     """
     tools = body.get("tools") if isinstance(body.get("tools"), list) else []

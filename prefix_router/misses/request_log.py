@@ -8,13 +8,13 @@ gateway decided and what the engine reported, never prompt text: ``t`` (Unix sec
 ``predicted_cached_tokens`` (what the gateway believed the replica held),
 ``evicted_in_flight_tokens`` (of those, the ones the replica's KV events showed evicted while the
 request waited: they were held when it was routed, and the engine recomputed them), ``result`` (hit or a
-miss kind, see ``conversations.py``), ``lost_tokens``, ``cause``, ``diverged_message`` and
-``diverged_token`` (for ``miss_changed``: ``causes.py``), ``conversation`` (a 64-bit hash of the
+miss kind, see ``misses/classify.py``), ``lost_tokens``, ``cause``, ``diverged_message`` and
+``diverged_token`` (for ``miss_changed``: ``misses/diagnosis.py``), ``conversation`` (a 64-bit hash of the
 conversation id, so the session key itself stays out), ``ttft_s`` and ``elapsed_s``.
 
 With ``request_log_bodies`` on (an operator's choice: prompt text), each line also holds
 ``path`` and ``body``, the request as sent to the replica (for ``/v1/responses`` and
-``/v1/messages``, the chat request vLLM renders from it, history included: ``dialects.py``):
+``/v1/messages``, the chat request vLLM renders from it, history included: ``prompts/responses.py``):
 ``prefix-router audit``, ``prefix-router gate`` and ``replay`` read such a log.
 """
 

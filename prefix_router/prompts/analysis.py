@@ -38,7 +38,7 @@ class PromptInfo:
     # through the first user message), the same on every turn and in every gateway instance;
     # None for completions and for chats without a user message.
     opening: str | None = None
-    # The fingerprint ``causes.diagnose`` compares with the conversation's previous request;
+    # The fingerprint ``diagnosis.diagnose`` compares with the conversation's previous request;
     # set by the proxy for requests that belong to a conversation.
     print: RequestPrint | None = None
     # Chat only: True while no assistant or tool message has been sent (the conversation's

@@ -8,7 +8,7 @@ text blocks the content, ``thinking`` blocks the reasoning, ``tool_use`` blocks 
 (arguments as ``json.dumps`` writes them), a user's ``tool_result`` blocks tool messages placed
 before that user's message; inline system messages merged into the leading one when the chat
 template refuses a system message after the first (``merges_inline_system``); tools with their
-``input_schema`` as parameters. Usage and streams: ``dialects.py``.
+``input_schema`` as parameters. Usage and streams: ``prompts/responses.py``.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class KnownPrefix:
     """A rendered prompt's token ids through its last special token, kept by ``HFTokenizer`` for
     later prompts that start with the same text, and ``memo``: what callers derived from those
     ids and want back with them (the gateway's block hashes, keyed by seed and block size:
-    ``prompts.analyze``)."""
+    ``analysis.analyze``)."""
 
     __slots__ = ("ids", "memo")
 

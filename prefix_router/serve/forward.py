@@ -10,7 +10,7 @@ that answered 5xx is blamed only once another replica served the same request: a
 replica refuses is the request's fault, so a client cannot open breakers by sending requests
 that make replicas fail.
 
-While an attempt is in flight (``InFlight``, also the Endpoint Picker's: ``epp.py``) its replica counts it in ``inflight`` (the load
+While an attempt is in flight (``InFlight``, also the Endpoint Picker's: ``epp/picker.py``) its replica counts it in ``inflight`` (the load
 bound's load), in ``sent_since_scrape`` (its queue depth) and in its share of recent requests;
 its blocks count as cached at once, in the shadow index and in the KV event view, since vLLM
 makes blocks hittable as soon as they are scheduled and a burst of one prefix must see them.
@@ -53,7 +53,7 @@ class Outcome:
     ``replica`` and ``decision`` are None when no replica answered below 500 (the response is
     then the gateway's 502). ``route``: the decision's route, or ``retry`` for an attempt after
     the first. ``usage``: the engine's, in the chat's shape whatever the API
-    (``dialects.chat_usage``). ``held_blocks``: blocks the replica held now or lately when it was
+    (``responses.chat_usage``). ``held_blocks``: blocks the replica held now or lately when it was
     sent (a miss of those is an eviction). ``evicted_blocks``: which of the predicted blocks (their
     indices) the replica's KV events showed evicted while the request was in flight. ``answer``: the answer's JSON object when it
     came in one body, or a Responses stream's completed response; ``response_id``: a Responses
@@ -140,7 +140,7 @@ async def _attempt(request: web.Request, gw: Gateway, inbound: Inbound, info: Pr
 def answered(path: str, events, answer: dict | None, usage) -> tuple[dict | None, dict | None, str | None]:
     """What learning reads of an answer to ``path``: (its usage in the chat's shape, its JSON
     object, a Responses answer's id). ``answer`` and ``usage``: the one body's; ``events``: what
-    read the stream (``dialects.Events`` gives a Responses stream's completed response and id),
+    read the stream (``responses.Events`` gives a Responses stream's completed response and id),
     or None."""
     if answer is None and events is not None:
         answer = getattr(events, "response", None)

@@ -11,14 +11,14 @@ What it changes on the way (the body is otherwise passed byte for byte):
   tenant's name in front of the session key, so tenants' caches and sessions never meet; the
   client's Authorization only where ``Tenants.upstream_headers`` allows it.
 
-A Responses or Anthropic Messages request (``dialects.py``) is forwarded as it came (with the
+A Responses or Anthropic Messages request (``prompts/responses.py``) is forwarded as it came (with the
 same salt and ``vllm_xargs`` changes); what routing reads is the chat request vLLM renders from
 it (``Inbound.prompt``), a Responses request continuing a ``previous_response_id`` rendered from
 the history remembered with it (``response_homes.py``).
 
 Bad input gets an OpenAI-style error: 401 (unknown key), 408 and 413 (``bodies.py``: a body too
 slow, too large or of too many values), 400 (unreadable body, bad JSON, a body
-``prompts.check_body`` refuses, a nested salt vLLM would refuse), 503 (no replica routable).
+``analysis.check_body`` refuses, a nested salt vLLM would refuse), 503 (no replica routable).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ async def read_inbound(request: web.Request, gw: Gateway, path: str, chat: bool)
 
 def inbound_of(request, gw: Gateway, path: str, chat: bool, raw: bytes) -> Inbound | web.Response:
     """``read_inbound`` once the body is read: ``request`` is anything with the client's
-    ``headers`` (an aiohttp request, or the Endpoint Picker's view of Envoy's, ``epp.py``)."""
+    ``headers`` (an aiohttp request, or the Endpoint Picker's view of Envoy's, ``epp/picker.py``)."""
     refused = gw.tenants.refusal(request, Kind.ROUTED, "POST", path)
     if refused is not None:
         return refused

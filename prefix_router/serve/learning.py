@@ -1,11 +1,11 @@
 """The last step of a request (``learn``): what its answer teaches the gateway.
 
 From the engine's ``usage`` (``prompt_tokens``, ``prompt_tokens_details.cached_tokens``,
-``completion_tokens``): the request's cache outcome (``conversations.classify``: hit,
+``completion_tokens``): the request's cache outcome (``classify.classify``: hit,
 miss_cold, miss_changed, miss_routed, miss_evicted) and the tokens lost; for a changed prefix,
-what the client changed (``causes.explain``) and where (``Gateway.record_change``); the
+what the client changed (``diagnosis.explain``) and where (``Gateway.record_change``); the
 conversation's new memory; the decode blocks the replica now holds (shadow index); every
-metric; and, when configured, the request's line in the request log (``requestlog.py``). A
+metric; and, when configured, the request's line in the request log (``misses/request_log.py``). A
 Responses answer's replica and history are remembered for the requests that continue it
 (``response_homes.py``).
 
@@ -61,7 +61,7 @@ def learn(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome: Outcome) -> 
     m.cached.labels(name).inc(cached_tokens)
     predicted = min(int(decision.predicted_blocks * to_tokens), prompt_tokens)
     m.cached_predicted.labels(name).inc(predicted)
-    conversation = info.conversation  # "" for a completion without a session key: see prompts.py
+    conversation = info.conversation  # "" for a completion without a session key: see prompts/analysis.py
     previous = gw.conversations.get(conversation) if conversation else None
     verdict = classify(hashes=info.hashes, message_hashes=info.message_hashes, previous=previous,
                        cached_blocks=cached_blocks, predicted_blocks=decision.predicted_blocks,
@@ -121,7 +121,7 @@ def evicted_in_flight_tokens(evicted_blocks: tuple[int, ...], cached_blocks: int
 
 def _record_change(gw: Gateway, inbound: Inbound, info: PromptInfo, verdict: Verdict, previous,
                    to_tokens: float, lost: int):
-    """For a miss_changed: what the client changed (``causes.Change``), counted in the change
+    """For a miss_changed: what the client changed (``diagnosis.Change``), counted in the change
     sites with a redacted excerpt when ``changes.snippets`` is on; else None."""
     if verdict.result is not CacheResult.MISS_CHANGED:
         return None
@@ -134,7 +134,7 @@ def _record_change(gw: Gateway, inbound: Inbound, info: PromptInfo, verdict: Ver
 
 def _remember_response(gw: Gateway, inbound: Inbound, outcome: Outcome) -> None:
     """A Responses answer's replica and, for a finished one vLLM stores, its history: the
-    prompt's messages and the output (``dialects.output_messages``), as vLLM's ``msg_store``
+    prompt's messages and the output (``responses.output_messages``), as vLLM's ``msg_store``
     and ``response_store`` give them to a request continuing it."""
     answer, history = outcome.answer, None
     if (answer is not None and inbound.body.get("store") is not False and inbound.prompt is not None

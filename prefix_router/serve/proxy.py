@@ -3,7 +3,7 @@
 1. Inbound (``inbound.read_inbound``): read and check the body (413 above
    ``limits.max_body_bytes``, OpenAI-style 400 for bad JSON or a body vLLM would refuse), find
    the tenant and the session, set the cache salt and ``stream_options.include_usage``.
-2. Analysis (``prompts.analyze``): the prompt's token blocks and their chained hashes, its
+2. Analysis (``analysis.analyze``): the prompt's token blocks and their chained hashes, its
    conversation and, for a conversation, the fingerprint that explains a changed prefix later.
    Small bodies are analysed on the event loop; big ones (``limits.inline_analysis_bytes``) in a
    worker thread, so tokenization and chat templates never hold up other requests.
@@ -70,7 +70,7 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
 
 async def route(gw: Gateway, inbound: Inbound, subset: frozenset[str] | None = None
                 ) -> tuple[PromptInfo, Decision, frozenset[str] | None] | web.Response:
-    """Steps 2 to 4 for a checked request (the Endpoint Picker's too, ``epp.py``): (its
+    """Steps 2 to 4 for a checked request (the Endpoint Picker's too, ``epp/picker.py``): (its
     analysis, the policy's decision, the replicas a retry may choose among: None for any), or
     the error response to answer (404 for a model no replica serves, 429 or 503 from admission
     or when no replica can take it). ``subset``: the only replicas it may go to (the Endpoint
@@ -133,7 +133,7 @@ async def _analysis(gw: Gateway, inbound: Inbound) -> PromptInfo:
 
 
 def _analyze(gw: Gateway, inbound: Inbound) -> PromptInfo:
-    """``prompts.analyze``, plus the fingerprint ``causes.diagnose`` needs when the request
+    """``analysis.analyze``, plus the fingerprint ``diagnosis.diagnose`` needs when the request
     belongs to a conversation (built on the previous one's, so only new messages cost)."""
     body = inbound.prompt
     info = analyze(body, inbound.chat, gw.tokenizer, gw.block_size, gw.config.routing.char_block_size,

@@ -158,7 +158,7 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, name: st
     ``sent_at``: ``time.perf_counter()`` when the request was sent, for the TTFT.
     ``watch``: called with each chunk of a stream as it arrives (the passthrough reads a
     Responses stream's id with it). ``events``: what reads the stream on the way, a
-    ``UsageFilter`` unless given (``dialects.Events`` for Responses and Messages streams); its
+    ``UsageFilter`` unless given (``responses.Events`` for Responses and Messages streams); its
     ``usage`` is the usage returned. ``on_first_token``: called once when a stream's first data
     event arrives (the replica finished the prompt's prefill); not for an answer in one body.
     Raises nothing for the client's side (a client that left is ``CLIENT_GONE``); a replica that

@@ -12,7 +12,7 @@ figures are lower):
 
 - reused now: the longest prefix, in whole blocks, that an earlier request already computed;
 - a break: the request departs from its conversation's previous request inside what that one
-  sent (``causes.diagnose``: cause, message index, role, token position and the fix);
+  sent (``diagnosis.diagnose``: cause, message index, role, token position and the fix);
 - reused if fixed: for a break, what the request would reuse had it appended to the previous
   request instead (the previous request's blocks, at most this one's reusable blocks).
 

@@ -21,7 +21,7 @@ Times are modelled seconds; the replayer divides them by its ``--time-scale``.
   own; or lines ``{"body": {...}, "path": ..., "session": ...}``, which is what the gateway's
   request log holds with ``request_log_bodies`` on (there ``conversation`` names the session and
   ``t`` the time). Lines without a session are grouped as the gateway groups them: by model,
-  cache salt and first user message (``prompts.conversation_id``). Turns go out in file order.
+  cache salt and first user message (``analysis.conversation_id``). Turns go out in file order.
 - ``builtin_workload``: seeded synthetic chat and agent sessions (see ``generate.py``).
 """
 
