@@ -82,8 +82,9 @@ async def route(gw: Gateway, inbound: Inbound, subset: frozenset[str] | None = N
         allowed = subset if allowed is None else allowed & subset
     home = None
     if inbound.path == RESPONSES and inbound.body.get("previous_response_id"):
+        # only the replica storing it can continue it, and only if the model and the subset allow
         home = gw.response_homes.home(inbound.body["previous_response_id"])
-        allowed = frozenset({home})
+        allowed = frozenset({home}) if allowed is None else allowed & {home}
     try:
         info = await _analysis(gw, inbound)
     except RecursionError:  # a body orjson read but Python's JSON and templates cannot walk
