@@ -52,17 +52,18 @@ image:
 base-image:
 	DOCKER=$(DOCKER) deploy/docker/base-image.sh local/python:3.11
 
+# Every benchmark is `python -m bench <command>` (`python -m bench --help` lists them).
 bench-sim: $(VENV)/.installed
-	$(VENV)/bin/python -m bench.sim_throughput
+	$(VENV)/bin/python -m bench sim-throughput $(ARGS)
 
 # This gateway against round-robin, vllm-router and sglang-router (installed into .venv-peers
 # by the benchmark): quick is about 25 minutes on 2 cores (ARGS="--shapes none": under 5), the
 # full run about 40 without the issue-14 shapes and an estimated 75 with them.
 bench-compare-quick: $(VENV)/.installed
-	$(VENV)/bin/python -m bench.compare --quick $(ARGS)
+	$(VENV)/bin/python -m bench compare --quick $(ARGS)
 
 bench-compare: $(VENV)/.installed
-	$(VENV)/bin/python -m bench.compare $(ARGS)
+	$(VENV)/bin/python -m bench compare $(ARGS)
 
 # The alert rules as a Prometheus Operator PrometheusRule (dashboards/kustomization.yaml).
 dashboards/prometheusrule.yaml: dashboards/alerts.yaml $(VENV)/.installed

@@ -1,4 +1,4 @@
-"""The floor of an aiohttp hop: a reverse proxy that does nothing but forward, for the overhead benchmark.
+"""The floor of an aiohttp hop: a reverse proxy that does nothing but forward (``systems.Floor`` starts it).
 
 It accepts a request, sends its body unchanged to one upstream with a pooled aiohttp client
 session, and copies the answer back chunk by chunk (SSE included), on uvloop, as the gateway

@@ -1,4 +1,4 @@
-"""PNG plots of a ``bench/compare.py`` run (matplotlib, the ``bench`` extra).
+"""PNG plots of a ``python -m bench compare`` run (matplotlib, the ``bench`` extra).
 
 - ``ttft.png``: TTFT distribution (empirical CDF, modelled seconds, log scale) per system, one
   panel per workload.
@@ -83,7 +83,7 @@ def _over_time(results: dict, out: Path) -> Path:
 
 
 def _overhead(overhead: dict, out: Path) -> Path:
-    from .overhead import ADDED_P99_LIMIT_MS
+    from .hop import ADDED_P99_LIMIT_MS
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in dict.fromkeys(r["system"] for r in overhead["rows"]):
@@ -97,7 +97,7 @@ def _overhead(overhead: dict, out: Path) -> Path:
 
 
 def plot_all(results: dict, out: Path) -> list[Path]:
-    """Write every plot of ``results`` (``bench.compare``'s, with per-request records) into ``out``."""
+    """Write every plot of ``results`` (``compare``'s, with per-request records) into ``out``."""
     paths = [_ttft(results, out), _reused(results, out), _over_time(results, out)]
     if results.get("overhead"):
         paths.append(_overhead(results["overhead"], out))

@@ -4,7 +4,7 @@
 
 The Operator reads rules only from PrometheusRule objects, whose ``spec`` is a rule file's
 content (monitoring.coreos.com/v1, ``PrometheusRuleSpec.groups``); generating it keeps one
-source for the rules. tests/test_deploy.py checks the committed file is up to date.
+source for the rules. tests/e2e/test_deploy.py checks the committed file is up to date.
 """
 
 from __future__ import annotations

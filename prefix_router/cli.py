@@ -129,7 +129,7 @@ def _gateway_arguments(p: argparse.ArgumentParser) -> None:
 def _event_loop():
     """uvloop's event loop where it is installed (Linux, macOS), else asyncio's: the gateway's
     loop runs every request's I/O, and uvloop's costs less CPU per request
-    (bench/results/overhead)."""
+    (docs/benchmarks.md)."""
     try:
         import uvloop
     except ImportError:

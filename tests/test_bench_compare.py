@@ -1,8 +1,8 @@
-"""``python -m bench.compare`` on a small scale: every system runs, the figures add up, and the
+"""``python -m bench compare`` on a small scale: every system runs, the figures add up, and the
 pooled-cache bound bounds them.
 
 Runs the benchmark as a user would, with the peer routers installed by the benchmark itself
-(``bench.peers.ensure_peers``, pip from PyPI into ``.venv-peers``); where that install fails
+(``bench.systems.ensure_peers``, pip from PyPI into ``.venv-peers``); where that install fails
 (no package index), the peers are left out with the reason and this gateway is still checked.
 """
 
@@ -13,11 +13,11 @@ import subprocess
 
 import pytest
 
-from bench import compare
-from bench.peers import SYSTEMS, ensure_peers
+from bench.commands import compare
+from bench.meters import hop_ttfts
 from bench.pooled import pooled_hit_rate, prompt_token_ids, spread_hit_rate, unbounded_hit_rate
-from bench.shapes import generated_shared_prefix, one_system_prompt
-from bench.vllm_bench import VllmBenchShape, shape_bound
+from bench.systems import SYSTEMS, Gateway, ensure_peers
+from bench.workloads import VllmBenchShape, generated_shared_prefix, one_system_prompt, shape_bound
 from prefix_router.tools.replay.client import Record
 from prefix_router.tools.replay.generate import builtin_workload
 from prefix_router.tools.replay.workloads import ReplayRequest
@@ -117,12 +117,12 @@ def test_time_compression_scales_the_replicas_time_to_first_token_and_not_the_re
     # is 0.2 modelled seconds, the 0.010 s of client, network and router stays 0.010
     record = lambda ttft, own, status=200: Record(0, None, 0, 0.0, ttft, ttft, 1, 0, 1, status, None, None, own)  # noqa: E731
     records = [record(0.030, 0.020), record(0.030, None), record(0.5, 0.4, status=500), record(None, None)]
-    assert compare.hop_ttfts(records, 10.0) == pytest.approx([0.030 + 9 * 0.020])
-    assert compare.hop_ttfts(records, 1.0) == pytest.approx([0.030])
+    assert hop_ttfts(records, 10.0) == pytest.approx([0.030 + 9 * 0.020])
+    assert hop_ttfts(records, 1.0) == pytest.approx([0.030])
 
 
 def test_a_small_run_of_every_system_adds_up(tmp_path):
-    systems = [s for s in SYSTEMS if not s.is_peer]
+    systems = [s for s in SYSTEMS if isinstance(s, Gateway)]
     try:
         ensure_peers()
         systems = list(SYSTEMS)
@@ -134,7 +134,7 @@ def test_a_small_run_of_every_system_adds_up(tmp_path):
             "--systems", ",".join(s.name for s in systems), "--out", str(out), "--log-dir", str(tmp_path / "logs")]
     assert compare.main(argv) == 0
     results = json.loads((out / "results.json").read_text())
-    assert results["machine"]["cores"] and results["machine"]["python"]
+    assert results["machine"]["cores"] and results["machine"]["python"] and results["commit"] and results["date"]
     assert [w["name"] for w in results["workloads"]] == ["builtin-chat", "builtin-agent"]  # no trace given
     for w in results["workloads"]:
         assert [r["system"] for r in w["rows"]] == [s.name for s in systems]
@@ -150,14 +150,15 @@ def test_a_small_run_of_every_system_adds_up(tmp_path):
             assert 0 < r["hop_ttft_p50_s"] <= r["ttft_p50_s"] and 0 < r["hop_ttft_p99_s"] <= r["ttft_p99_s"]
         rates = {r["system"]: r["hit_rate"] for r in w["rows"]}
         assert rates["prefix-router"] > rates["round-robin"], w["name"]
-    table = (out / "results.md").read_text()
+    table = (out / "README.md").read_text()
     assert table.count("| builtin-agent |") == len(systems)
+    assert f"- Command: `python -m bench compare {argv[0]} " in table  # the header says how it ran
     overhead = results["overhead"]
     assert [r["system"] for r in overhead["rows"]] == [s.name for s in systems]
-    assert all(r["errors"] == 0 and r["cpu_s_per_1k"] >= 0 for r in overhead["rows"])
+    assert all(r["errors"] == 0 and r["cpu_ms"] >= 0 for r in overhead["rows"])
     # /proc counts CPU in 10 ms ticks: 20 requests through a Rust router (~1 ms each) can read 0,
     # ours (~3 ms each) cannot
-    assert all(r["cpu_s_per_1k"] > 0 for r in overhead["rows"] if r["system"] == "prefix-router")
+    assert all(r["cpu_ms"] > 0 for r in overhead["rows"] if r["system"] == "prefix-router")
     assert set(overhead["sustained"]) == {s.name for s in systems}
     for name in PLOTS:
         assert (out / name).read_bytes()[:4] == b"\x89PNG", name
@@ -180,4 +181,4 @@ def test_a_run_stopped_midway_keeps_the_workloads_it_finished(tmp_path, monkeypa
     results = json.loads((out / "results.json").read_text())
     assert [w["name"] for w in results["workloads"]] == ["builtin-chat"]
     assert results["workloads"][0]["rows"][0]["requests"] == results["workloads"][0]["requests"]
-    assert "partial: 1 of 2 workloads so far" in (out / "results.md").read_text()
+    assert "partial: 1 of 2 workloads so far" in (out / "README.md").read_text()

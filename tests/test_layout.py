@@ -1,12 +1,15 @@
 """The package's layout holds: the gateway's runtime never imports the tools beside it, its pure
-layers (routing, the cache picture) import no HTTP, no module imports one that imports it, and
-it reads in one sitting."""
+layers (routing, the cache picture) import no HTTP, no module imports one that imports it, it
+reads in one sitting, and every module with logic has a test module named after it."""
 
 from __future__ import annotations
 
 import ast
+import io
+import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -140,3 +143,88 @@ def test_routing_and_the_cache_picture_import_no_http(layer):
                                    check=True).stdout.split("\n", 1)
     assert int(count) >= 3  # the walk found the layer's modules
     assert loaded.strip() == "[]"
+
+
+# --- a test module per runtime module ----------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parent
+
+# Modules with logic of their own but no test module named after them, each with the reason and
+# the tests that cover it. Keep it short: a module that can be tested alone gets its test module.
+NO_TEST_MODULE = {
+    "config/reference.py": "writes docs/configuration.md from the schema; tests/test_docs.py checks the file is its output",
+    "epp/server.py": "the gRPC server Envoy calls and its health services: tests/e2e/test_epp.py, behind a real Envoy",
+    "tools/sim/kv_events.py": "vLLM's KV event structs re-declared: tests/vllm_tier/test_kv_events_vllm.py holds them to "
+                              "vLLM's own; tests/cache/ decodes and follows them",
+    "tools/tiny_model.py": "builds the real-engine tier's model (torch): tests/vllm_tier/ serves it; "
+                           "tests/prompts/test_tokenizer.py builds its tokenizer",
+}
+
+
+def _has_logic(path: Path) -> bool:
+    """A function, or a class with a method, at the module's top level (constants, enums and
+    plain dataclasses need no test module of their own)."""
+    methods = (ast.FunctionDef, ast.AsyncFunctionDef)
+    return any(isinstance(node, methods) or isinstance(node, ast.ClassDef) and any(isinstance(n, methods) for n in node.body)
+               for node in ast.parse(path.read_text()).body)
+
+
+def _mirror(module: Path) -> Path:
+    """``prefix_router/<pkg>/<module>.py`` -> ``tests/<pkg>/test_<module>.py``."""
+    return TESTS.joinpath(*module.parts[:-1], f"test_{module.name}")
+
+
+def test_every_runtime_module_with_logic_has_a_test_module():
+    """Each module under ``prefix_router/`` (tools included; package ``__init__`` files re-export
+    and hold no logic) that defines a function or a class with methods has its unit tests in
+    ``tests/<package>/test_<module>.py``, or an entry in ``NO_TEST_MODULE`` saying why not. The
+    message names each missing test module."""
+    package = Path(prefix_router.__file__).parent
+    modules = sorted(p.relative_to(package) for p in package.rglob("*.py") if p.name != "__init__.py")
+    with_logic = [m for m in modules if _has_logic(package / m)]
+    assert len(with_logic) > 60  # the walk found the package
+    missing = [f"tests/{_mirror(m).relative_to(TESTS).as_posix()} (for prefix_router/{m.as_posix()})"
+               for m in with_logic if m.as_posix() not in NO_TEST_MODULE and not _mirror(m).exists()]
+    assert missing == [], "runtime modules without a test module named after them (write it, or give the reason " \
+                          "in NO_TEST_MODULE):\n  " + "\n  ".join(missing)
+    stale = [name for name in NO_TEST_MODULE if Path(name) not in with_logic or _mirror(Path(name)).exists()]
+    assert stale == [], f"NO_TEST_MODULE names modules that are gone, have no logic or have a test module: {stale}"
+
+
+def test_every_test_folder_is_a_package():
+    """pytest names a test module by its package path (rootdir ``tests`` with ``__init__.py``
+    files), so ``tests/fleet/test_tenants.py`` and another ``test_tenants.py`` elsewhere do not
+    collide; a folder without ``__init__.py`` would make them."""
+    folders = {p.parent for p in TESTS.rglob("test_*.py") if "__pycache__" not in p.parts}
+    assert sorted(f.relative_to(TESTS).as_posix() for f in folders if not (f / "__init__.py").exists()) == []
+
+
+# What a lab notebook looks like in a comment: a date, an A/B arrow between two figures, a timing.
+# Measurements live in docs/ and bench/results/ beside their command; code keeps the reason.
+NOTEBOOK = re.compile(r"\b20\d\d-\d\d-\d\d\b"  # a date
+                      r"|\b\d+(?:\.\d+)?x? -> \d+(?:\.\d+)?"  # before -> after
+                      r"|\b\d+(?:\.\d+)? ?ms\b")  # a timing in milliseconds
+
+
+def _notes(text: str) -> list[tuple[int, str]]:
+    """(line, text) of every comment and docstring in a module's source."""
+    notes = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(text).readline)
+             if t.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                notes.append((node.body[0].lineno, doc))
+    return notes
+
+
+def test_no_runtime_comment_carries_benchmark_figures():
+    """Runtime docstrings and comments give a rule and its reason, and link the figures
+    (``docs/routing-rule.md``, ``docs/performance-notes.md``, ``bench/results/``): a dated A/B
+    history or a timing measured on one machine goes stale in code nobody re-measures."""
+    found = [f"{path.relative_to(Path(prefix_router.__file__).parent.parent)}:{line}: {m.group(0)!r}"
+             for path in _runtime_files() for line, note in _notes(path.read_text())
+             for m in NOTEBOOK.finditer(note)]
+    assert found == []
+    assert NOTEBOOK.search("# took 0.852 -> 0.860 (3 runs)") and NOTEBOOK.search("took 1.3 ms")
+    assert not NOTEBOOK.search("# block -> replica map, 16 tokens a block")

@@ -9,7 +9,7 @@ vLLM publishes what its prefix cache stores and frees (``--kv-events-config``;
 - each event a tagged struct: a map ``{"type": "BlockStored", "block_hashes": [...], ...}`` in
   vLLM 0.32, an array ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
   lora_id, medium, lora_name]`` in earlier releases (``array_like=True``); both are read, typed:
-  a payload costs a bounded multiple of its bytes (``tests/test_kv_events_hostile.py``);
+  a payload costs a bounded multiple of its bytes (``tests/cache/test_stream_hostile.py``);
 - ``BlockStored``: the hashes of newly cached full blocks, their parent's hash (None at the
   start of a prompt), their token ids, the block size, LoRA, medium (``GPU``, ``CPU``) and, per
   block, ``extra_keys`` (the cache salt rides on the first block's);

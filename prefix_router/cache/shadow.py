@@ -54,7 +54,7 @@ class ShadowIndex:
         head. Returns the hashes that were not there before (to ``forget`` if the request failed).
         A chain longer than the capacity is cut to it first: its head is what the capacity
         would keep anyway, and inserting and evicting a huge prompt's blocks one by one held the
-        event loop (``bench/results/hostile-bodies.md``, the text rows).
+        event loop (``bench/results/hostile-bodies/README.md``, the text rows).
         """
         blocks = self._blocks
         added = []

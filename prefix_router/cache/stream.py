@@ -22,7 +22,7 @@ subscribes to every replica builds the same picture.
 ZMQ authenticates nobody: whoever reaches the publisher's ports, or binds them, can wipe or steer
 this replica's view (its routing), never another replica's, never a request's content. What it
 cannot do is take the gateway's memory or its event loop: the constants below bound both, per
-stream, and ``tests/test_kv_events_hostile.py`` measures them against such a publisher.
+stream, and ``tests/cache/test_stream_hostile.py`` measures them against such a publisher.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ MAX_MESSAGE_BYTES = 4 << 20
 """Bytes in one message (ZMQ's MAXMSGSIZE, on the SUB and the replay DEALER: a larger message
 drops the connection, and is lost like any gap). The largest batch one vLLM engine step
 publishes, a 128K-token prompt stored in one step with LoRA, salt and an image on every block,
-is 2.24 MiB; an 8,192-token step 0.1-0.64 MiB (``bench/results/kv-event-sizes.md``, from vLLM's
-own event classes and encoder: ``bench/kv_event_sizes.py``)."""
+is 2.24 MiB; an 8,192-token step 0.1-0.64 MiB (``bench/results/kv-event-sizes/README.md``, from
+vLLM's own event classes and encoder: ``python -m bench kv-event-sizes``)."""
 LIVE_QUEUE = 8
 """Messages the SUB socket queues unread (RCVHWM; ZMQ's default, 1,000, is 4 GB at the cap). A
 full queue stops ZMQ reading the connection, so the publisher queues the rest (vLLM's PUB holds

@@ -104,7 +104,7 @@ class RoutingConfig:
     use_user_field: bool = True
     # without a session key, key a chat by its opening (tools and messages through the first
     # user message) rather than by learned branch points: every turn, and every gateway
-    # instance, then agrees from the first request (see README "Several gateway instances")
+    # instance, then agrees from the first request (docs/design.md, "Several gateway instances")
     chat_opening_key: bool = True
 
 
@@ -246,14 +246,14 @@ class LimitsConfig:
     # bodies up to this size are tokenized and hashed on the event loop; bigger ones in a
     # worker thread, which lets the loop serve other streams meanwhile (the tokenizer's Rust
     # encode releases the GIL) at the cost of the hop (futures, a wake-up, GIL hand-offs: about
-    # a sixth of the CPU of a 1k-token chat under py-spy, bench/results/overhead-profile.md);
+    # a sixth of the CPU of a 1k-token chat under py-spy, docs/performance-notes.md);
     # 16 KiB (about 4k tokens) keeps a warm prompt's analysis near a millisecond
     inline_analysis_bytes: int = 16 * 1024
     # JSON values a body may hold (an upper bound counted before parsing: its commas, brackets
     # and braces, those in strings too), so a body's parsed size stays within a small multiple
     # of its bytes: 30 MB of "[]," parse to ~1 GB of empty lists. 1,000,000 holds a 1M-token prompt
     # sent as token ids; bodies at the bound parse to at most ~80 MB in ~0.2 s
-    # (bench/results/hostile-bodies.md)
+    # (bench/results/hostile-bodies/README.md)
     max_json_elements: int = 1_000_000
     # a request whose body has not fully arrived this long after its headers gets 408, so slow
     # clients cannot hold connections and buffers open for ever
@@ -300,7 +300,7 @@ class AuthConfig:
     # keys for GET /replicas; once any key is configured, those views need one of these
     admin_keys: tuple[str, ...] = ()
     # a client's own cache_salt under tenants: "override" replaces it with the tenant's;
-    # "nest" keeps it inside the tenant's ("<tenant salt>/<client salt>"), so a client can
+    # "nest" keeps it inside the tenant's ("<tenant salt>|<client salt>", tenants.SALT_JOIN), so a client can
     # partition its own cache further but never reach another tenant's
     client_salt: str = "override"
     # the key sent to replicas (vllm serve --api-key) in place of the client's; tenant keys are
@@ -347,5 +347,5 @@ class GatewayConfig:
     drain_s: float = 25.0
     # gateway processes sharing the port (SO_REUSEPORT), one event loop each: prefix_router/workers.py.
     # One process serves about as many requests a second as one core allows
-    # (bench/results/overhead.md); raise it when the gateway's core is the bottleneck
+    # (docs/benchmarks.md); raise it when the gateway's core is the bottleneck
     workers: int = 1

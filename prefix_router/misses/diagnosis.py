@@ -70,7 +70,7 @@ VOLATILE_SPANS = (
 VOLATILE = re.compile(r"(?=[\da-fA-F])(?:" + VOLATILE_SPANS + ")")
 # Characters of new message text one request's fingerprint masks and parses as JSON: the
 # regular expression and the parser hold the GIL, so one hostile message of 30 MB held the event
-# loop for seconds (bench/results/hostile-bodies.md, the text rows). Text past it is hashed as
+# loop for seconds (bench/results/hostile-bodies/README.md, the text rows). Text past it is hashed as
 # it is: a change there reads as a rewrite, not as a volatile value or a reordering. Real turns
 # add far less (an agent's tool output is tens of KB).
 PRINT_BUDGET_CHARS = 256 * 1024

@@ -6,7 +6,7 @@ as one string, assistant ``tool_calls`` arguments parsed from JSON) and
 ``ChatCompletionToolsParam.model_dump`` (tool field order, nulls kept); ``compiled_template`` and
 ``template_messages`` give transformers' own compiled Jinja template and the messages as its
 ``render_jinja_template`` passes them, so that ``tokenizer.HFTokenizer`` renders without
-``apply_chat_template``'s per-call work (``tests/test_tokenizer.py`` holds the two equal).
+``apply_chat_template``'s per-call work (``tests/prompts/test_chat_template.py`` holds the two equal).
 
 Errors: ``ChatFormatError`` (a ValueError) for messages or tools that cannot be rendered.
 """

@@ -181,7 +181,7 @@ class HFTokenizer:
         per-call work that JSON input does not need: transformers' compiled template, rendered
         with the same variables (``render_jinja_template``: messages with their null fields
         dropped and reasoning aliased, ``documents`` None, the special tokens map, then the
-        caller's kwargs). ``tests/test_tokenizer.py`` holds it equal to ``apply_chat_template``."""
+        caller's kwargs). ``tests/prompts/test_chat_template.py`` holds it equal to ``apply_chat_template``."""
         chat = template_messages(conversation)
         try:
             return self._template.render(messages=chat, tools=tools, documents=None,

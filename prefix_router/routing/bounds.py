@@ -23,7 +23,7 @@ __all__ = ["SHARE_DIGITS", "SHARE_TOLERANCE", "Bounds", "ReplicaView", "load_bou
 # Decayed shares carry noise in their last bits: requests milliseconds apart weigh 2 **
 # (dt / half_life_s) apart, which even a half-life of 1e9 s leaves above 1e-12, so two instances
 # that saw the same requests split exact ties (equal recent shares, a prefix's share x replicas
-# equal to its holders) differently: tests/test_discovery.py's two instances disagreed in 6 runs
+# equal to its holders) differently: tests/fleet/test_discovery.py's two instances disagreed in 6 runs
 # of 15. Shares are compared to a millionth of a request, which is no load to act on.
 SHARE_DIGITS = 6
 SHARE_TOLERANCE = 10.0 ** -SHARE_DIGITS
@@ -57,7 +57,7 @@ def in_flight_regime(total: int, replicas: int, load_factor: float, slack: int) 
     in-flight counts carry the load themselves, the holder's share bound is dropped, and only
     the holder bound limits a replica keeping a cold prefix: with several gateway instances each
     one's share counts are a sample of a quarter of the traffic, and on SGLang's
-    generated-shared-prefix shape (four instances, KV events, ``bench.instances``) they spilled
+    generated-shared-prefix shape (four instances, KV events, ``python -m bench instances``) they spilled
     3-5 documents a run to replicas that recomputed them, 1.3 points below one instance (token
     hit rate, medians of 8 runs: 0.867 against 0.880); without the bound here 0.872 against
     0.878 (8 runs each, the same hour)."""
@@ -119,6 +119,6 @@ class Bounds:
         ring already spreads keys, a lone conversation stays with its history, and a request no
         instance knows anything of goes where every instance would send it (walking past owners
         over their share gained about a point of reuse in one run and doubled the gap between
-        two instances: tests/test_discovery.py)."""
+        two instances: tests/fleet/test_discovery.py)."""
         load, share = (self.holder_load, self.holder_share) if holder else (self.load, self.share)
         return within_bound(view.load, load) and (is_owner or within_bound(view.recent, share))

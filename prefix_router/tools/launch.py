@@ -41,7 +41,7 @@ _HANDED_OUT: set[int] = set()
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (the OS picks it), never one this process was
     given before: servers started together bind their ports only once launched, and until then
-    the OS may hand the same free port out twice (a full ``bench.compare`` run once gave two of
+    the OS may hand the same free port out twice (a full ``python -m bench compare`` run once gave two of
     its 8 replicas one port)."""
     while True:
         with socket.socket() as s:

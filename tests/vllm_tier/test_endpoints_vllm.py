@@ -6,7 +6,7 @@ The routes come from vLLM's ``build_app`` (``vllm/entrypoints/launchers/app.py``
 it supports, dev mode and fault tolerance on, run in the vLLM environment (no engine starts);
 a route a later vLLM adds fails ``test_every_vllm_post_route_has_a_kind`` until
 ``prefix_router/endpoints.py`` sorts it. The requests then go through the gateway to a recording fake
-replica (tests/test_isolation.py), as tenant bolt forging tenant acme's salt.
+replica (tests/e2e/test_isolation.py), as tenant bolt forging tenant acme's salt.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from prefix_router.endpoints import Kind, kind_of
 
-from ..test_isolation import _body_for, _key, gateway  # noqa: F401 (a fixture)
+from ..e2e.test_isolation import _body_for, _key, gateway  # noqa: F401 (a fixture)
 from .harness import require_vllm
 
 pytestmark = pytest.mark.vllm

@@ -259,7 +259,7 @@ def test_gateway_tenants_get_their_own_salt_so_the_engine_shares_nothing_between
     """Tenants configured at the gateway, clients sending no salt, one replica (so any sharing
     would show): the engine reports cached tokens for a tenant's own repeat, none across
     tenants. That the gateway overrides a salt a client forges is checked at the replica's
-    door in tests/test_tenants.py."""
+    door in tests/fleet/test_tenants.py."""
     document = " ".join(f"section {i}: shared policy text that both tenants happen to send." for i in range(60))
     body = {"model": "tiny", "max_tokens": 4, "ignore_eos": True,
             "messages": [{"role": "system", "content": document}, {"role": "user", "content": "summarise"}]}

@@ -1,0 +1,117 @@
+"""``prefix-router audit`` on a log of the SWE-agent sessions, clean and with planted breaks: every
+break named with its cause, message, turn and token position, nothing else, and the fix."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from prefix_router.tools.audit import audit
+from prefix_router.misses.diagnosis import FIXES
+from prefix_router.prompts.tokenizer import ByteTokenizer
+
+from ..misses.test_diagnosis import BREAK_AT, plant, sessions
+
+KINDS = ["timestamp", "tools_reordered", "keys_shuffled", "trimmed", "retrieval"]
+
+
+def write_log(path, with_session: bool = True) -> dict[str, list[tuple[int, str, int]]]:
+    """The clean sessions and one mutated copy per kind, one request body a line; returns, per
+    session, the breaks planted: (turn, cause, message index)."""
+    planted = {}
+    with open(path, "w") as f:
+        for n, turns in enumerate(sessions()):
+            for body in turns:
+                f.write(json.dumps({**body, "session": f"clean-{n}"} if with_session else body) + "\n")
+            planted[f"clean-{n}"] = []
+        for kind in KINDS:
+            base = sessions()[1]
+            for body in base:  # no two sessions share a first user message
+                next(m for m in body["messages"] if m["role"] == "user")["content"] += f" ({kind})"
+            turns, cause, index = plant(base, kind)
+            for body in turns:
+                f.write(json.dumps({**body, "session": kind} if with_session else body) + "\n")
+            at = range(1, len(turns)) if kind == "timestamp" else [BREAK_AT]
+            planted[kind] = [(t, cause.value, index) for t in at]
+    return planted
+
+
+def found(report: dict) -> dict[str, list[tuple[int, str, int]]]:
+    return {c["id"]: [(b["turn"], b["cause"], b["message_index"]) for b in c["breaks"]] for c in report["conversations"]}
+
+
+def test_the_audit_names_every_planted_break_and_no_other(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    planted = write_log(path)
+    out = subprocess.run([sys.executable, "-m", "prefix_router.cli", "audit", str(path), "--json"],
+                         capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout)
+    assert found(report) == planted
+    for c in report["conversations"]:
+        if c["breaks"]:
+            assert c["reused_if_fixed"] > c["reused_tokens"]
+            assert all(b["lost_tokens"] > 0 and b["fix"] == FIXES[b["cause"]] for b in c["breaks"])
+        else:
+            assert c["reused_if_fixed"] == c["reused_tokens"]
+    assert report["totals"]["breaks"] == sum(len(b) for b in planted.values())
+    text = subprocess.run([sys.executable, "-m", "prefix_router.cli", "audit", str(path)],
+                          capture_output=True, text=True, check=True).stdout
+    for cause in {b[1] for breaks in planted.values() for b in breaks}:
+        assert cause in text and FIXES[cause] in text
+
+
+def test_a_log_still_being_written_is_read_up_to_its_last_complete_line(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    planted = write_log(path)
+    whole = audit(str(path))
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines) + lines[-1][: len(lines[-1]) // 2])  # a line cut short, no newline
+    cut = audit(str(path))
+    assert found(cut) == planted == found(whole)
+    assert cut["totals"] == whole["totals"]
+    path.write_text("".join(lines[:-1]) + "{cut" + "\n" + lines[-1])  # a broken line before the end is an error
+    with pytest.raises(ValueError, match="not JSON"):
+        audit(str(path))
+
+
+def test_without_session_fields_conversations_are_found_as_the_gateway_finds_them(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    planted = write_log(path, with_session=False)
+    report = audit(str(path))
+    # A timestamp in the system prompt, reordered tools, a rewritten observation: the first user
+    # message stays, so each is still one conversation with its break. A user message inserted
+    # before the first one starts another conversation (documented: send a session id).
+    expected = [breaks for session, breaks in planted.items() if session != "retrieval"] + [[], []]
+    assert sorted(found(report).values()) == sorted(expected)
+    assert report["totals"]["conversations"] == len(planted) + 1
+
+
+def test_exact_token_positions_lie_inside_the_changed_message(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    write_log(path)
+    tokenizer = ByteTokenizer()
+    report = audit(str(path), tokenizer, block_size=16)
+    assert report["unit"] == "tokens"
+    bodies = [json.loads(line) for line in path.read_text().splitlines()]
+    for c in report["conversations"]:
+        for b in c["breaks"]:
+            if b["message_index"] < 0:
+                continue
+            messages, tools = bodies[b["line"] - 1]["messages"], bodies[b["line"] - 1].get("tools")
+            index = b["message_index"]
+            before = len(tokenizer.render_chat(messages[:index], tools=tools, add_generation_prompt=False)) if index else 0
+            through = len(tokenizer.render_chat(messages[: index + 1], tools=tools, add_generation_prompt=False))
+            assert before // 16 * 16 <= b["token_position"] <= through, b
+
+
+def test_a_gateway_request_log_without_bodies_is_refused_with_the_reason(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    path.write_text(json.dumps({"t": 1.0, "replica": "a:1", "status": 200, "result": "hit"}) + "\n")
+    out = subprocess.run([sys.executable, "-m", "prefix_router.cli", "audit", str(path)], capture_output=True, text=True)
+    assert out.returncode == 2 and "request_log_bodies" in out.stderr
+    path.write_text("{not json\n")
+    with pytest.raises(ValueError, match=":1: not JSON"):
+        audit(str(path))
