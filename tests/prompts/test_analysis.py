@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 
-from prefix_router.prompts.analysis import analyze
+import pytest
+
+from prefix_router.prompts.analysis import analyze, check_body
 from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from ..helpers import MODEL, text
@@ -79,3 +81,23 @@ def test_routing_a_huge_prompt_without_a_tokenizer_takes_memory_in_proportion_to
     tracemalloc.stop()
     assert len(info.hashes) == info.num_units // 64 > 75_000
     assert peak < 30 * 2**20, f"{peak / 2**20:.0f} MiB"  # the text itself is 5 MB; the chat text another 5
+
+
+@pytest.mark.parametrize("prompt", [[1, True], [1, -1], [1, 2.0], [1, 1 << 63], [1, "2"], [1, None], [[1], [True]]])
+def test_a_prompt_that_is_not_token_ids_is_refused_as_vllm_refuses_it(prompt):
+    """Booleans, negatives, floats, ids past int64, strings mixed in: 400 with param ``prompt``."""
+    problem = check_body({"model": MODEL, "prompt": prompt}, chat=False)
+    assert problem is not None and problem[1] == "prompt"
+
+
+@pytest.mark.parametrize("prompt", [[0, 5, (1 << 63) - 1], [[1, 2], [3]], ["a", "b"], "text"])
+def test_token_ids_strings_and_their_lists_are_accepted(prompt):
+    assert check_body({"model": MODEL, "prompt": prompt}, chat=False) is None
+
+
+def test_token_ids_are_routed_as_tokens_and_anything_else_by_its_characters():
+    ids = list(range(100, 164))
+    as_tokens = analyze({"model": MODEL, "prompt": ids}, False, None, 16, 64, None)
+    assert as_tokens.exact and as_tokens.num_units == 64 and len(as_tokens.hashes) == 4
+    with_a_bool = analyze({"model": MODEL, "prompt": [*ids[:-1], True]}, False, None, 16, 64, None)
+    assert not with_a_bool.exact  # not token ids: cut into character blocks of its JSON text
