@@ -2,7 +2,7 @@
 ``--help`` shows, a command's name being its module's with ``-`` for ``_``. A module here that
 ``COMMANDS`` misses fails ``tests/test_bench_main.py``."""
 
-COMMANDS = ("compare", "overhead", "instances", "mooncake", "load", "hostile-bodies", "sim-throughput",
+COMMANDS = ("compare", "overhead", "choice", "instances", "mooncake", "load", "hostile-bodies", "sim-throughput",
             "kv-event-sizes")
 
 

@@ -1,0 +1,161 @@
+"""The routing choice and the cache indexes, in process, as the fleet grows: time a request and memory.
+
+What a gateway process pays per request to choose a replica (``PrefixAffinityPolicy.select``:
+the match against every routable replica's index, the bounds, the ranking) at 4, 16, 64 and 256
+replicas and prompts of 128 and 2,048 blocks (2k and 32k tokens at 16 tokens a block), with
+every replica holding one shared prompt and each request adding ``--own`` blocks of its own:
+the shape where a walk of each replica's index costs replicas x matched blocks. Each cell is
+the median of ``--reps`` choices, each a new request (its own blocks new to every replica),
+timed with ``time.perf_counter_ns``, the indexes and loads fixed (nothing learned between
+choices), no gateway and no HTTP: the policy's own cost.
+
+Memory (``--memory-replicas`` x ``--memory-blocks``, half the blocks shared by every replica):
+the bytes ``tracemalloc`` sees allocated while the indexes are built, for the gateway's own
+guess (``ShadowIndex``) and for the engine's picture (``EngineView``, fed ``BlockStored``
+events as vLLM publishes them). Defaults: 256 replicas of 30,000 blocks, an H100 serving an 8B
+model in 16-token blocks.
+
+    python -m bench choice [--replicas 4,16,64,256] [--blocks 128,2048] [--reps 30]
+
+Writes ``bench/results/choice/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+import tracemalloc
+from pathlib import Path
+
+from prefix_router.cache.blocks import BlockHash, block_hashes, seed_hash
+from prefix_router.cache.engine_view import EngineView
+from prefix_router.cache.events import BlockStored
+from prefix_router.cache.shadow import ShadowIndex
+from prefix_router.config import RoutingConfig
+from prefix_router.routing.bounds import ReplicaView
+from prefix_router.routing.policy import PrefixAffinityPolicy
+from prefix_router.routing.prefix_stats import BranchStats
+from prefix_router.routing.ring import Ring
+
+from .. import RESULTS
+from ..report import command_line, write_results
+
+BLOCK_SIZE = 16  # vLLM's default on CUDA
+CAPACITY = 30_000  # blocks an H100 holds for an 8B model (the README's default replica)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _chain(rng: random.Random, n: int) -> list[BlockHash]:
+    """``n`` block hashes: random, as only their identity matters to a match."""
+    return [BlockHash(rng.getrandbits(63)) for _ in range(n)]
+
+
+def time_choice(replicas: int, blocks: int, own: int, reps: int, seed: int = 0) -> dict:
+    """Median and p90 microseconds of ``select`` for ``replicas`` replicas that all hold one
+    ``blocks``-block prompt, each request that prompt plus ``own`` blocks of its own."""
+    rng = random.Random(seed)
+    config = RoutingConfig()
+    ring = Ring(config.virtual_nodes)
+    names = [f"replica-{i}" for i in range(replicas)]
+    for name in names:
+        ring.add(name)
+    shared = _chain(rng, blocks)
+    views = {}
+    for name in names:
+        index = ShadowIndex(max(CAPACITY, blocks + own))
+        index.insert(shared)
+        views[name] = ReplicaView(name, rng.randrange(3), index, recent=rng.random())
+    policy = PrefixAffinityPolicy(config, ring, BranchStats(threshold=config.branch_threshold))
+    times = []
+    gc.disable()
+    try:
+        for _ in range(reps):
+            hashes = shared + _chain(rng, own)
+            started = time.perf_counter_ns()
+            policy.select(hashes, rng.getrandbits(63), views, max_hit_blocks=len(hashes))
+            times.append((time.perf_counter_ns() - started) / 1000)
+    finally:
+        gc.enable()
+    times.sort()
+    return {"replicas": replicas, "blocks": blocks, "own": own, "reps": reps,
+            "median_us": statistics.median(times), "p90_us": times[int(0.9 * (len(times) - 1))]}
+
+
+def _stored(rng: random.Random, tokens: list[int], parent: int | None) -> BlockStored:
+    """One ``BlockStored`` event for ``tokens`` (engine hashes random: the view keys by its own)."""
+    n = len(tokens) // BLOCK_SIZE
+    return BlockStored(block_hashes=[rng.getrandbits(63) for _ in range(n)], parent_block_hash=parent,
+                       token_ids=tokens, block_size=BLOCK_SIZE, medium="GPU")
+
+
+def measure_memory(replicas: int, blocks: int, kind: str, seed: int = 0) -> dict:
+    """Bytes allocated building ``replicas`` indexes of ``kind`` (``shadow`` or ``engine``), each
+    of ``blocks`` blocks, the first half one prompt every replica holds, the rest its own."""
+    rng = random.Random(seed)
+    half = blocks // 2
+    shared_tokens = [rng.randrange(1 << 17) for _ in range(half * BLOCK_SIZE)]
+    seed_of = seed_hash("model")
+    shared = block_hashes(shared_tokens, BLOCK_SIZE, seed_of)
+    gc.collect()
+    tracemalloc.start()
+    started = time.perf_counter()
+    indexes = []
+    for _ in range(replicas):
+        own_tokens = [rng.randrange(1 << 17) for _ in range((blocks - half) * BLOCK_SIZE)]
+        if kind == "shadow":
+            index = ShadowIndex(blocks)
+            index.insert(shared + block_hashes(own_tokens, BLOCK_SIZE, shared[-1]))
+        else:
+            index = EngineView(BLOCK_SIZE, lambda lora, salt: seed_of, max_blocks=2 * blocks)
+            first = _stored(rng, shared_tokens, None)
+            index.apply(first)
+            index.apply(_stored(rng, own_tokens, first.block_hashes[-1]))
+        indexes.append(index)
+        del own_tokens
+    gc.collect()
+    current, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    held = sum(len(i) for i in indexes)
+    del indexes
+    return {"kind": kind, "replicas": replicas, "blocks": blocks, "entries": held, "bytes": current,
+            "bytes_per_entry": current / max(held, 1), "build_s": time.perf_counter() - started}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench choice", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replicas", type=_ints, default=[4, 16, 64, 256], help="fleet sizes (comma-separated)")
+    ap.add_argument("--blocks", type=_ints, default=[128, 2048], help="shared prompt lengths in blocks")
+    ap.add_argument("--own", type=int, default=8, help="blocks of each request's own after the shared prompt")
+    ap.add_argument("--reps", type=int, default=30, help="choices timed a cell (the median is reported)")
+    ap.add_argument("--memory-replicas", type=int, default=256, help="replicas for the memory measure (0: skip)")
+    ap.add_argument("--memory-blocks", type=int, default=CAPACITY, help="blocks each replica holds there")
+    ap.add_argument("--out", type=Path, default=RESULTS / "choice")
+    args = ap.parse_args(argv)
+    cells = [time_choice(r, b, args.own, args.reps) for r in args.replicas for b in args.blocks]
+    lines = ["`PrefixAffinityPolicy.select` in process, every replica holding one shared prompt of the "
+             f"given blocks, each request {args.own} blocks of its own after it; median (p90) of {args.reps} "
+             "choices, microseconds (`bench/commands/choice.py`).", "",
+             "| replicas | " + " | ".join(f"{b:,} blocks" for b in args.blocks) + " |",
+             "|---|" + "---|" * len(args.blocks)]
+    for r in args.replicas:
+        row = [c for c in cells if c["replicas"] == r]
+        lines.append(f"| {r} | " + " | ".join(f"{c['median_us']:,.0f} ({c['p90_us']:,.0f})" for c in row) + " |")
+    memory = []
+    if args.memory_replicas:
+        memory = [measure_memory(args.memory_replicas, args.memory_blocks, kind) for kind in ("shadow", "engine")]
+        lines += ["", f"Memory of the indexes, {args.memory_replicas} replicas x {args.memory_blocks:,} blocks "
+                  "(half one prompt every replica holds), as `tracemalloc` sees it while they are built:", "",
+                  "| index | entries | MiB | bytes an entry | built in |", "|---|---|---|---|---|"]
+        for m in memory:
+            name = "ShadowIndex (the gateway's guess)" if m["kind"] == "shadow" else "EngineView (KV events)"
+            lines.append(f"| {name} | {m['entries']:,} | {m['bytes'] / 2**20:,.0f} | {m['bytes_per_entry']:.0f} "
+                         f"| {m['build_s']:.1f} s |")
+    write_results(args.out, "The routing choice and the indexes as the fleet grows", command_line(__name__, argv),
+                  lines, {"choice": cells, "memory": memory})
+    return 0
