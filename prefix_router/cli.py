@@ -1,6 +1,7 @@
-"""``prefix-router`` command line: ``serve`` (the gateway), ``sim`` (one simulated vLLM replica),
-``epp`` (the gateway as Envoy's Endpoint Picker), ``replay`` (a trace against an endpoint) and
-``demo`` (prefix affinity against round-robin)."""
+"""``prefix-router`` command line: ``serve`` (the gateway), ``epp`` (the gateway as Envoy's
+Endpoint Picker), ``sim`` (one simulated vLLM replica), ``replay`` (a trace against an endpoint),
+``demo`` (prefix affinity against round-robin), ``audit`` (where clients broke their own prefixes
+in a request log) and ``gate`` (fail CI when a change lowers the hit rate)."""
 
 from __future__ import annotations
 
@@ -112,10 +113,12 @@ def _gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML configuration (see configs/)")
     p.add_argument("--replica", action="append", default=None, metavar="URL",
                    help="replica base URL, repeatable (replaces the configured list)")
-    p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--host", default=None, help="address to listen on (default 0.0.0.0, or the config's host)")
+    p.add_argument("--port", type=int, default=None, help="port to listen on (default 8080, or the config's port)")
     p.add_argument("--policy", default=None, choices=POLICIES)
-    p.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer folder (exact token blocks)")
+    p.add_argument("--tokenizer", default=None,
+                   help="the served model's tokenizer: a folder, or a model id in the local Hugging Face cache "
+                        "(exact token blocks; nothing is downloaded)")
     p.add_argument("--discover", default=None, metavar="DNS_NAME",
                    help="also take as replicas every address this name resolves to, e.g. the "
                         "headless Service of the vLLM pods (discovery.dns)")

@@ -32,7 +32,7 @@ def test_the_gateway_runtime_imports_none_of_the_tools_beside_it():
     assert out.strip() == "[]"
 
 
-# Issue 16's reading rule for the gateway's runtime: no function over about 60 lines, no file over
+# The reading rule for the gateway's runtime: no function over about 60 lines, no file over
 # about 400 (docstrings included); the margins are the "about".
 MAX_FUNCTION_LINES = 65
 MAX_FILE_LINES = 420

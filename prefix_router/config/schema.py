@@ -187,8 +187,8 @@ class AdmissionConfig:
 
     # a replica is saturated at this load (queue depth + requests sent since the last scrape)
     # when its engine reported a queue at all; 0: never, every request goes straight to a
-    # replica and queues there. 4 x the spill depth by default: spillover has already spread
-    # the load, and more waiting at a replica only grows its TTFT
+    # replica and queues there. A queue this deep means the load bound has already spread the
+    # load, and more waiting at a replica only grows its TTFT
     saturated_depth: int = 32
     # requests waiting at the gateway at most; more get 429 at once
     max_queue: int = 1024

@@ -55,7 +55,8 @@ class Outcome:
     the first. ``usage``: the engine's, in the chat's shape whatever the API
     (``responses.chat_usage``). ``held_blocks``: blocks the replica held now or lately when it was
     sent (a miss of those is an eviction). ``evicted_blocks``: which of the predicted blocks (their
-    indices) the replica's KV events showed evicted while the request was in flight. ``answer``: the answer's JSON object when it
+    indices) the replica's KV events showed evicted while the request was in flight, read only
+    where a request log is configured (empty otherwise). ``answer``: the answer's JSON object when it
     came in one body, or a Responses stream's completed response; ``response_id``: a Responses
     answer's id. Times in seconds from sending.
     """

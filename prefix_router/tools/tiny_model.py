@@ -1,7 +1,8 @@
 """Build a tiny Llama-architecture model with a tokenizer and chat template, offline.
 
 Run as a script with the vLLM environment's Python (the model needs torch; the tokenizer alone,
-``--tokenizer-only``, needs only ``tokenizers`` and ``transformers``, which the gateway has):
+``--tokenizer-only``, needs only ``tokenizers`` and ``transformers``, which the gateway has, so
+``.venv/bin/python`` runs it too):
     .venv-vllm/bin/python prefix_router/tools/tiny_model.py OUT_DIR [--corpus DIR] [--tokenizer-only]
     .venv-vllm/bin/python prefix_router/tools/tiny_model.py OUT_DIR --lora [--seed N]
 It imports nothing from this package, so it runs in an environment that does not have it.
