@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from prefix_router.fleet.admission import Admission
+from prefix_router.cache.holders import Holders
+from prefix_router.cache.shadow import ShadowIndex
 from prefix_router.fleet.breaker import CircuitBreaker
 from prefix_router.misses.diagnosis import Change
 from prefix_router.misses.change_sites import ChangeSites
@@ -33,7 +35,7 @@ from prefix_router.routing.prefix_stats import BranchStats, PrefixDemand
 from prefix_router.metrics import GatewayMetrics
 from prefix_router.routing.policy import make_policy
 from prefix_router.prompts.analysis import PromptInfo
-from prefix_router.fleet.replicas import ReplicaState, read_models
+from prefix_router.fleet.replicas import DEFAULT_CAPACITY_BLOCKS, ReplicaState, read_models
 from prefix_router.misses.request_log import RequestLog
 from prefix_router.fleet.response_homes import ResponseHomes
 from prefix_router.routing.ring import Ring
@@ -83,6 +85,9 @@ class Gateway:
         self.policy = make_policy(routing, self.ring, self.branches, self.demand)
         self.conversations = Conversations(config.index.max_conversations)
         self.response_homes = ResponseHomes(config.index.max_responses, config.index.response_history_mb * 1_000_000)
+        # the fleet's picture in one map each, so a prompt is matched in one walk (cache/holders.py):
+        # the shadow indexes' guesses, and the engines' views built from KV events
+        self.shadow_holders, self.engine_holders = Holders(), Holders()
         self.replicas: dict[str, ReplicaState] = {}
         for rc in config.replicas:
             self.add_replica(rc)
@@ -115,7 +120,8 @@ class Gateway:
         (``recovering``), which also reads its block size and capacity."""
         state = ReplicaState(rc, replica_name(rc.url), block_size=rc.block_size, num_gpu_blocks=rc.num_gpu_blocks,
                              discovered=discovered, recovering=discovered,
-                             breaker=CircuitBreaker(self.config.breaker))
+                             breaker=CircuitBreaker(self.config.breaker),
+                             shadow=ShadowIndex(DEFAULT_CAPACITY_BLOCKS, self.shadow_holders))
         self.replicas[state.name] = state
         return state
 
@@ -152,7 +158,7 @@ class Gateway:
         for name in gone:
             log.info("replica %s: drained and forgotten (left discovery %.0f s ago)", name,
                      now - self.replicas[name].draining_since)
-            del self.replicas[name]
+            self.replicas.pop(name).close()
             self.ring.remove(name)
             self.metrics.forget_replica(name)
             self._exported.pop(name, None)

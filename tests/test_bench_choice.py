@@ -5,17 +5,19 @@ from __future__ import annotations
 from bench.commands.choice import main, measure_memory, time_choice
 
 
-def test_a_cell_times_the_choice_over_every_replica():
-    cell = time_choice(replicas=8, blocks=32, own=4, reps=5)
-    assert cell["replicas"] == 8 and cell["blocks"] == 32 and cell["reps"] == 5
-    assert 0 < cell["median_us"] <= cell["p90_us"]
+def test_a_cell_times_the_choice_either_way():
+    for fleet_map in (False, True):
+        cell = time_choice(replicas=8, blocks=32, own=4, reps=5, fleet_map=fleet_map)
+        assert cell["replicas"] == 8 and cell["blocks"] == 32 and cell["fleet_map"] is fleet_map
+        assert 0 < cell["median_us"] <= cell["p90_us"]
 
 
 def test_memory_counts_every_block_each_replica_holds():
     """Half the blocks are one prompt every replica holds; each index still stores its own copy."""
     for kind in ("shadow", "engine"):
-        m = measure_memory(replicas=3, blocks=64, kind=kind)
-        assert m["entries"] == 3 * 64 and m["bytes"] > 0
+        alone, mapped = (measure_memory(replicas=3, blocks=64, kind=kind, fleet_map=f) for f in (False, True))
+        assert alone["entries"] == mapped["entries"] == 3 * 64
+        assert 0 < alone["bytes"] < mapped["bytes"]  # the map is counted
 
 
 def test_the_command_writes_its_results_folder(tmp_path):

@@ -1,5 +1,5 @@
-"""The documentation holds: every repository path that the README, ``docs/`` and the package's
-docstrings and comments cite exists, the configuration reference is the one the schema
+"""The documentation holds: every repository path that the README, ``docs/`` and the docstrings
+and comments of the package, the benchmarks and the tests cite exists, the configuration reference is the one the schema
 generates, and the README stays a front page."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def top_level(root: Path) -> set[str]:
 
 
 def _pattern(names: set[str]) -> re.Pattern[str]:
-    # not inside a longer path or word (prefix_router/ holds "router/", ../shared/x holds "shared/x")
+    # not inside a longer path or word: ../shared/x holds "shared/x", which names no path of ours
     alternatives = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
     return re.compile(rf"(?<![\w./~$-])((?:{alternatives})/[\w.*/-]*)")
 
@@ -113,8 +113,9 @@ def all_citations(root: Path) -> list[Citation]:
     pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
     found = [c for page in pages if page.exists()
              for c in markdown_citations(page.read_text(encoding="utf-8"), page.relative_to(root).as_posix(), root)]
-    for module in sorted((root / "prefix_router").rglob("*.py")):
-        found += python_citations(module.read_text(encoding="utf-8"), module.relative_to(root).as_posix(), root)
+    for folder in ("prefix_router", "bench", "tests"):  # the package, and what measures and tests it
+        for module in sorted((root / folder).rglob("*.py")):
+            found += python_citations(module.read_text(encoding="utf-8"), module.relative_to(root).as_posix(), root)
     return found
 
 

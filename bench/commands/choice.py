@@ -17,7 +17,7 @@ model in 16-token blocks.
 
     python -m bench choice [--replicas 4,16,64,256] [--blocks 128,2048] [--reps 30]
 
-Writes ``bench/results/choice/``.
+Writes its results folder (``--out``, under ``bench/results/`` by default).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pathlib import Path
 from prefix_router.cache.blocks import BlockHash, block_hashes, seed_hash
 from prefix_router.cache.engine_view import EngineView
 from prefix_router.cache.events import BlockStored
+from prefix_router.cache.holders import Holders
 from prefix_router.cache.shadow import ShadowIndex
 from prefix_router.config import RoutingConfig
 from prefix_router.routing.bounds import ReplicaView
@@ -56,9 +57,11 @@ def _chain(rng: random.Random, n: int) -> list[BlockHash]:
     return [BlockHash(rng.getrandbits(63)) for _ in range(n)]
 
 
-def time_choice(replicas: int, blocks: int, own: int, reps: int, seed: int = 0) -> dict:
+def time_choice(replicas: int, blocks: int, own: int, reps: int, fleet_map: bool = True, seed: int = 0) -> dict:
     """Median and p90 microseconds of ``select`` for ``replicas`` replicas that all hold one
-    ``blocks``-block prompt, each request that prompt plus ``own`` blocks of its own."""
+    ``blocks``-block prompt, each request that prompt plus ``own`` blocks of its own.
+    ``fleet_map``: the indexes report into one ``Holders`` map, as in the gateway, and the prompt
+    is matched in one walk; else each replica's index is walked on its own."""
     rng = random.Random(seed)
     config = RoutingConfig()
     ring = Ring(config.virtual_nodes)
@@ -67,8 +70,9 @@ def time_choice(replicas: int, blocks: int, own: int, reps: int, seed: int = 0) 
         ring.add(name)
     shared = _chain(rng, blocks)
     views = {}
+    holders = Holders() if fleet_map else None
     for name in names:
-        index = ShadowIndex(max(CAPACITY, blocks + own))
+        index = ShadowIndex(max(CAPACITY, blocks + own), holders)
         index.insert(shared)
         views[name] = ReplicaView(name, rng.randrange(3), index, recent=rng.random())
     policy = PrefixAffinityPolicy(config, ring, BranchStats(threshold=config.branch_threshold))
@@ -83,7 +87,7 @@ def time_choice(replicas: int, blocks: int, own: int, reps: int, seed: int = 0) 
     finally:
         gc.enable()
     times.sort()
-    return {"replicas": replicas, "blocks": blocks, "own": own, "reps": reps,
+    return {"replicas": replicas, "blocks": blocks, "own": own, "reps": reps, "fleet_map": fleet_map,
             "median_us": statistics.median(times), "p90_us": times[int(0.9 * (len(times) - 1))]}
 
 
@@ -94,9 +98,10 @@ def _stored(rng: random.Random, tokens: list[int], parent: int | None) -> BlockS
                        token_ids=tokens, block_size=BLOCK_SIZE, medium="GPU")
 
 
-def measure_memory(replicas: int, blocks: int, kind: str, seed: int = 0) -> dict:
+def measure_memory(replicas: int, blocks: int, kind: str, fleet_map: bool = True, seed: int = 0) -> dict:
     """Bytes allocated building ``replicas`` indexes of ``kind`` (``shadow`` or ``engine``), each
-    of ``blocks`` blocks, the first half one prompt every replica holds, the rest its own."""
+    of ``blocks`` blocks, the first half one prompt every replica holds, the rest its own;
+    ``fleet_map``: with the one ``Holders`` map they report into, as in the gateway."""
     rng = random.Random(seed)
     half = blocks // 2
     shared_tokens = [rng.randrange(1 << 17) for _ in range(half * BLOCK_SIZE)]
@@ -106,13 +111,14 @@ def measure_memory(replicas: int, blocks: int, kind: str, seed: int = 0) -> dict
     tracemalloc.start()
     started = time.perf_counter()
     indexes = []
+    holders = Holders() if fleet_map else None
     for _ in range(replicas):
         own_tokens = [rng.randrange(1 << 17) for _ in range((blocks - half) * BLOCK_SIZE)]
         if kind == "shadow":
-            index = ShadowIndex(blocks)
+            index = ShadowIndex(blocks, holders)
             index.insert(shared + block_hashes(own_tokens, BLOCK_SIZE, shared[-1]))
         else:
-            index = EngineView(BLOCK_SIZE, lambda lora, salt: seed_of, max_blocks=2 * blocks)
+            index = EngineView(BLOCK_SIZE, lambda lora, salt: seed_of, max_blocks=2 * blocks, holders=holders)
             first = _stored(rng, shared_tokens, None)
             index.apply(first)
             index.apply(_stored(rng, own_tokens, first.block_hashes[-1]))
@@ -122,8 +128,8 @@ def measure_memory(replicas: int, blocks: int, kind: str, seed: int = 0) -> dict
     current, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     held = sum(len(i) for i in indexes)
-    del indexes
-    return {"kind": kind, "replicas": replicas, "blocks": blocks, "entries": held, "bytes": current,
+    del indexes, holders
+    return {"kind": kind, "fleet_map": fleet_map, "replicas": replicas, "blocks": blocks, "entries": held, "bytes": current,
             "bytes_per_entry": current / max(held, 1), "build_s": time.perf_counter() - started}
 
 
@@ -137,23 +143,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-blocks", type=int, default=CAPACITY, help="blocks each replica holds there")
     ap.add_argument("--out", type=Path, default=RESULTS / "choice")
     args = ap.parse_args(argv)
-    cells = [time_choice(r, b, args.own, args.reps) for r in args.replicas for b in args.blocks]
+    cells = [time_choice(r, b, args.own, args.reps, fleet_map)
+             for r in args.replicas for b in args.blocks for fleet_map in (False, True)]
     lines = ["`PrefixAffinityPolicy.select` in process, every replica holding one shared prompt of the "
              f"given blocks, each request {args.own} blocks of its own after it; median (p90) of {args.reps} "
-             "choices, microseconds (`bench/commands/choice.py`).", "",
-             "| replicas | " + " | ".join(f"{b:,} blocks" for b in args.blocks) + " |",
-             "|---|" + "---|" * len(args.blocks)]
+             "choices, microseconds, each replica's index walked on its own against one walk of the fleet's "
+             "map (`cache/holders.py`), alternating in one run (`bench/commands/choice.py`).", "",
+             "| replicas | " + " | ".join(f"{b:,} blocks: per replica | fleet map" for b in args.blocks) + " |",
+             "|---|" + "---|---|" * len(args.blocks)]
     for r in args.replicas:
         row = [c for c in cells if c["replicas"] == r]
         lines.append(f"| {r} | " + " | ".join(f"{c['median_us']:,.0f} ({c['p90_us']:,.0f})" for c in row) + " |")
     memory = []
     if args.memory_replicas:
-        memory = [measure_memory(args.memory_replicas, args.memory_blocks, kind) for kind in ("shadow", "engine")]
+        memory = [measure_memory(args.memory_replicas, args.memory_blocks, kind, fleet_map)
+                  for kind in ("shadow", "engine") for fleet_map in (False, True)]
         lines += ["", f"Memory of the indexes, {args.memory_replicas} replicas x {args.memory_blocks:,} blocks "
                   "(half one prompt every replica holds), as `tracemalloc` sees it while they are built:", "",
                   "| index | entries | MiB | bytes an entry | built in |", "|---|---|---|---|---|"]
         for m in memory:
             name = "ShadowIndex (the gateway's guess)" if m["kind"] == "shadow" else "EngineView (KV events)"
+            name += ", with the fleet map" if m["fleet_map"] else ""
             lines.append(f"| {name} | {m['entries']:,} | {m['bytes'] / 2**20:,.0f} | {m['bytes_per_entry']:.0f} "
                          f"| {m['build_s']:.1f} s |")
     write_results(args.out, "The routing choice and the indexes as the fleet grows", command_line(__name__, argv),

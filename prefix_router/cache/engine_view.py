@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from prefix_router.cache.blocks import BlockHash, block_hashes
 from prefix_router.cache.events import (AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event,
                                         read_extra_keys)
+from prefix_router.cache.holders import Holders
 
 __all__ = ["EngineView"]
 
@@ -30,10 +31,17 @@ class EngineView:
     CPython), plus ``max_ghosts`` removed hashes remembered for ``held_lately`` and as many blocks
     routed but not yet confirmed; events that would take it past ``max_blocks`` (set to twice the
     replica's capacity) are not a real cache's, and make the view ``overflowed``.
+
+    With ``holders``, every block that starts or stops matching (stored, routed here and in flight,
+    or lately released) is reported there under a slot of its own (``bit``), so the fleet is
+    matched in one walk (``cache/holders.py``); ``close`` gives the slot back.
     """
 
     def __init__(self, block_size: int, seed: Callable[[str | None, str | None], BlockHash],
-                 max_ghosts: int = 100_000, pending_s: float = 2.0, max_blocks: int = 1 << 22) -> None:
+                 max_ghosts: int = 100_000, pending_s: float = 2.0, max_blocks: int = 1 << 22,
+                 holders: Holders | None = None) -> None:
+        self.holders = holders
+        self.bit = holders.slot() if holders is not None else 0
         self.block_size = block_size
         self.max_blocks = max_blocks  # past this many engine hashes, or blocks, the events cannot be a real cache's
         self.overflowed = False
@@ -78,6 +86,9 @@ class EngineView:
         inflight = self._inflight
         for h in hashes:
             inflight[h] = inflight.get(h, 0) + 1
+        if self.holders is not None:
+            for h in hashes:
+                self.holders.add(h, self.bit)
         return self.removals
 
     def evicted_since(self, hashes: Sequence[BlockHash], n: int, since: int) -> tuple[int, ...]:
@@ -108,11 +119,23 @@ class EngineView:
             if served and h not in blocks:
                 released.pop(h, None)
                 released[h] = now
+            else:
+                self._left(h)
         while released:
             h, t = next(iter(released.items()))
             if now - t < self.pending_s and len(released) <= self.max_ghosts:
                 break
             del released[h]
+            self._left(h)
+
+    def _left(self, h: BlockHash) -> None:
+        """``h`` may have stopped matching here: tell ``holders`` if it did."""
+        if self.holders is not None and h not in self._blocks and h not in self._inflight and h not in self._released:
+            self.holders.discard(h, self.bit)
+
+    def _members(self) -> set[BlockHash]:
+        """The blocks ``match`` counts: stored, in flight here, or lately released."""
+        return set(self._blocks) | set(self._inflight) | set(self._released)
 
     def match_ever(self, hashes: Sequence[BlockHash]) -> int:
         """Leading blocks held now or removed lately (``ShadowIndex.match_ever``'s meaning)."""
@@ -129,6 +152,9 @@ class EngineView:
 
     def clear(self) -> None:
         """Forget everything (``AllBlocksCleared``, an engine restart, an unrepaired gap)."""
+        if self.holders is not None:
+            for h in self._members():
+                self.holders.discard(h, self.bit)
         self.overflowed = False
         self._engine.clear()
         self._blocks.clear()
@@ -136,6 +162,13 @@ class EngineView:
         self._inflight.clear()
         self._released.clear()
         self._evicted.clear()
+
+    def close(self) -> None:
+        """The view is dropped (its replica left, or a new stream replaces it): its blocks leave
+        ``holders`` and its slot is free again."""
+        if self.holders is not None:
+            self.holders.release(self.bit, self._members())
+            self.holders = None
 
     def apply(self, event: Event) -> None:
         """Update the view with one event."""
@@ -160,6 +193,9 @@ class EngineView:
             inflight, evicted = dict(self._inflight), dict(self._evicted)
             self.clear()
             self._inflight, self._evicted = inflight, evicted
+            if self.holders is not None:
+                for h in inflight:
+                    self.holders.add(h, self.bit)
 
     def _stored(self, event: BlockStored, slice_blocks: int) -> Iterator[int]:
         if event.medium not in (None, "GPU") or event.group_idx not in (None, 0):
@@ -198,6 +234,8 @@ class EngineView:
                 else:
                     entry[1] += 1
                 blocks[h] = blocks.get(h, 0) + 1
+                if self.holders is not None:
+                    self.holders.add(h, self.bit)
                 ghosts.pop(h, None)
                 self._released.pop(h, None)
                 self.stored += 1
@@ -217,6 +255,7 @@ class EngineView:
             self._blocks[h] = left
             return
         self._blocks.pop(h, None)
+        self._left(h)
         self.removals += 1
         if h in self._inflight:
             self._evicted[h] = self.removals

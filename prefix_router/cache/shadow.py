@@ -17,17 +17,24 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from prefix_router.cache.blocks import BlockHash
+from prefix_router.cache.holders import Holders
 
 __all__ = ["ShadowIndex"]
 
 
 class ShadowIndex:
-    """LRU set of the block hashes one replica is believed to hold, at most ``capacity``."""
+    """LRU set of the block hashes one replica is believed to hold, at most ``capacity``.
 
-    def __init__(self, capacity: int) -> None:
+    With ``holders``, every block it starts or stops holding is reported there under a slot of
+    its own (``bit``), so the fleet is matched in one walk (``cache/holders.py``); ``close``
+    gives the slot back."""
+
+    def __init__(self, capacity: int, holders: Holders | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
+        self.holders = holders
+        self.bit = holders.slot() if holders is not None else 0
         self._blocks: OrderedDict[BlockHash, None] = OrderedDict()
         self._opaque = 0  # counter naming generated-token blocks
         self._ghosts: OrderedDict[BlockHash, None] = OrderedDict()  # evicted lately, newest last
@@ -64,6 +71,9 @@ class ShadowIndex:
             else:
                 blocks[h] = None
                 added.append(h)
+        if self.holders is not None:
+            for h in added:
+                self.holders.add(h, self.bit)
         self._evict_over_capacity()
         return added
 
@@ -88,8 +98,10 @@ class ShadowIndex:
 
     def forget(self, hashes: Sequence[BlockHash]) -> None:
         """Drop blocks the engine showed it no longer holds."""
+        holders = self.holders
         for h in hashes:
-            self._blocks.pop(h, None)
+            if self._blocks.pop(h, 0) is None and holders is not None:  # it was there
+                holders.discard(h, self.bit)
 
     def match_ever(self, hashes: Sequence[BlockHash]) -> int:
         """Leading blocks believed cached now or evicted lately (a ghost list of ``capacity``
@@ -104,11 +116,13 @@ class ShadowIndex:
         return n
 
     def _evict_over_capacity(self) -> None:
-        blocks, ghosts = self._blocks, self._ghosts
+        blocks, ghosts, holders = self._blocks, self._ghosts, self.holders
         while len(blocks) > self.capacity:
             h, _ = blocks.popitem(last=False)
             if h >= 0:  # generated-token blocks are never looked up
                 ghosts[h] = None
+                if holders is not None:
+                    holders.discard(h, self.bit)
         while len(ghosts) > self.capacity:
             ghosts.popitem(last=False)
 
@@ -119,5 +133,16 @@ class ShadowIndex:
 
     def clear(self) -> None:
         """The replica restarted or its cache was reset."""
+        if self.holders is not None:
+            for h in self._blocks:
+                self.holders.discard(h, self.bit)
+        self._blocks.clear()
+        self._ghosts.clear()
+
+    def close(self) -> None:
+        """The replica left: its blocks leave ``holders`` and its slot is free again."""
+        if self.holders is not None:
+            self.holders.release(self.bit, self._blocks)
+            self.holders = None
         self._blocks.clear()
         self._ghosts.clear()

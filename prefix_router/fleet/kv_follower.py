@@ -105,6 +105,7 @@ async def follow_events(gw: Gateway) -> None:
                 task.cancel()
                 replica = gw.replicas.get(name)
                 if replica is not None and replica.stream is not None and replica.stream.stopped:
+                    replica.stream.view.close()
                     replica.stream = None
             for name in [n for n in asked if n not in gw.replicas]:
                 del asked[name]
@@ -121,7 +122,8 @@ async def follow_events(gw: Gateway) -> None:
                     continue
                 endpoint, replay = found
                 capacity = replica.num_gpu_blocks or replica.shadow.capacity
-                view = EngineView(replica.block_size or gw.block_size, _seeder(replica), max_blocks=2 * capacity + 1024)
+                view = EngineView(replica.block_size or gw.block_size, _seeder(replica), max_blocks=2 * capacity + 1024,
+                                  holders=gw.engine_holders)
                 replica.stream = EventStream(
                     replica.name, endpoint, replay, view, topic=gw.config.kv_events.topic,
                     rebuild_blocks=lambda r=replica: r.num_gpu_blocks or r.shadow.capacity,

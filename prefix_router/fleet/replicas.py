@@ -128,6 +128,12 @@ class ReplicaState:
         stream = self.stream
         return stream.view if exact and stream is not None and stream.fresh else self.shadow
 
+    def close(self) -> None:
+        """The replica is forgotten: its indexes leave the fleet's maps (``cache/holders.py``)."""
+        self.shadow.close()
+        if self.stream is not None:
+            self.stream.view.close()
+
     def reset_cache_view(self, reason: str) -> None:
         """Forget what the replica held: it restarted with an empty cache (``reason`` says how we know)."""
         log.info("replica %s: %s; clearing its cache view", self.name, reason)

@@ -52,6 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 from prefix_router.cache.blocks import BlockHash
+from prefix_router.cache.holders import match_all
 from prefix_router.routing.bounds import SHARE_TOLERANCE, Bounds, ReplicaView, within_bound
 from prefix_router.config import RoutingConfig
 from prefix_router.routing.prefix_stats import BranchStats, PrefixDemand
@@ -90,7 +91,7 @@ class PrefixAffinityPolicy:
         cap = len(hashes) if max_hit_blocks is None else max_hit_blocks
         depth, key = routing_key(self.branches, self.config.max_key_blocks, hashes, full_hash, session_key)
         order = [n for n in self.ring.candidates(key) if n in replicas] or sorted(replicas)
-        matches = {n: min(v.shadow.match(hashes), cap) for n, v in replicas.items()}
+        matches = match_all(hashes, ((n, v.shadow) for n, v in replicas.items()), cap)
         bounds = Bounds.of(self.config, replicas)
         owner = order[0]
         rank = self._ranker(order, matches, replicas, hashes, depth)

@@ -29,6 +29,7 @@ class Ring:
         self.virtual_nodes = virtual_nodes
         self._ring = HashRing(nodes={})
         self._weights: dict[str, int] = {}
+        self._cycle: list[str] | None = None  # the points' replicas clockwise, twice round
 
     def __contains__(self, name: str) -> bool:
         return name in self._weights
@@ -49,17 +50,35 @@ class Ring:
         # uhashring places vnodes x weight points: pass the weight once, not in both factors
         self._ring.add_node(name, {"weight": weight, "vnodes": self.virtual_nodes})
         self._weights[name] = weight
+        self._cycle = None
 
     def remove(self, name: str) -> None:
         """Take a replica off the ring (no-op when absent)."""
         if self._weights.pop(name, None) is not None:
             self._ring.remove_node(name)
+            self._cycle = None
 
     def candidates(self, key: str) -> list[str]:
-        """Every replica in ring order starting at ``key``'s position: the owner first."""
-        if not self._weights:
+        """Every replica in ring order starting at ``key``'s position: the owner first.
+
+        The order ``uhashring``'s ``range(key, unique=True)`` gives, without walking its points one
+        by one: the replicas of the points from the key's position, de-duplicated a slice at a
+        time by ``dict.fromkeys`` (first occurrences keep their place), until every replica has
+        appeared, which takes about replicas x ln(replicas) points rather than all of them."""
+        n = len(self._weights)
+        if not n:
             return []
-        return [node["nodename"] for node in self._ring.range(key, unique=True)]
+        if self._cycle is None:
+            names = [name for _, name in self._ring.get_points()]
+            self._cycle = names + names
+        cycle, pos = self._cycle, self._ring.get_node_pos(key)
+        end = pos + len(cycle) // 2
+        seen: dict[str, None] = {}
+        step = 4 * n
+        while len(seen) < n and pos < end:
+            seen.update(dict.fromkeys(cycle[pos:min(pos + step, end)]))
+            pos += step
+        return list(seen)
 
     def owner(self, key: str) -> str | None:
         """The replica that owns ``key``, or None on an empty ring."""

@@ -144,3 +144,19 @@ def test_removing_an_absent_replica_is_a_no_op_and_virtual_nodes_must_be_positiv
     assert {k: ring.owner(k) for k in KEYS[:200]} == before
     with pytest.raises(ValueError):
         Ring(0)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 5, 40, 256])
+def test_candidates_are_uhashrings_own_order(replicas):
+    """The fast walk gives exactly the order ``uhashring``'s ``range`` walks point by point, at any
+    size, after replicas leave and come back with another weight."""
+    ring = Ring(virtual_nodes=40)
+    for i in range(replicas):
+        ring.add(f"replica-{i}", weight=1 + i % 3)
+    if replicas > 2:
+        ring.remove("replica-1")
+        ring.add("replica-1", weight=2)
+    for key in [f"key-{k}" for k in range(200)]:
+        expected = [node["nodename"] for node in ring._ring.range(key, unique=True)]
+        assert ring.candidates(key) == expected
+        assert ring.candidates(key)[0] == ring.owner(key)

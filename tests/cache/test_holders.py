@@ -1,0 +1,104 @@
+"""``prefix_router.cache.holders``: the fleet's one map answers every index's own ``match``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from prefix_router.cache.blocks import block_hashes, seed_hash
+from prefix_router.cache.engine_view import EngineView
+from prefix_router.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefix_router.cache.holders import Holders
+from prefix_router.cache.shadow import ShadowIndex
+
+BLOCK = 4
+SEED = seed_hash("model")
+
+
+def _engine_hash(h: int) -> int:
+    return h ^ 0x5A5A5A5A  # the engine's own digest of a block: any one-to-one stand-in
+
+
+def _prompts(rng: random.Random) -> list[list[int]]:
+    """Prompts sharing prefixes: three documents, each continued three ways."""
+    docs = [[rng.randrange(50) for _ in range(BLOCK * rng.randrange(1, 5))] for _ in range(3)]
+    return [doc + [rng.randrange(50) for _ in range(BLOCK * rng.randrange(0, 4))] for doc in docs for _ in range(3)]
+
+
+def _expected(indexes, hashes) -> dict[int, int]:
+    return {i.bit: i.match(hashes) for i in indexes if i.match(hashes)}
+
+
+def _step(rng: random.Random, index, prompt: list[int], now: float) -> None:
+    """One random operation a replica's index sees in the gateway."""
+    hashes = block_hashes(prompt, BLOCK, SEED)
+    if isinstance(index, ShadowIndex):
+        op = rng.randrange(5)
+        if op <= 1:
+            index.insert(hashes)
+        elif op == 2:
+            index.forget(hashes[rng.randrange(len(hashes) + 1):])
+        elif op == 3:
+            index.add_output(rng.randrange(4), hashes)
+        else:
+            index.resize(rng.randrange(1, 12)) if rng.random() < 0.5 else index.clear()
+        return
+    op = rng.randrange(7)
+    if op <= 1:
+        index.apply(BlockStored([_engine_hash(h) for h in hashes], None, prompt[:len(hashes) * BLOCK], BLOCK))
+    elif op == 2:
+        index.apply(BlockRemoved([_engine_hash(h) for h in hashes[rng.randrange(len(hashes) + 1):]]))
+    elif op == 3:
+        index.note_routed(hashes)
+        index.routed.append(hashes)
+    elif op == 4 and index.routed:
+        index.release_routed(index.routed.pop(rng.randrange(len(index.routed))), now, served=rng.random() < 0.6)
+    elif op == 5:
+        index.apply(AllBlocksCleared())
+    else:
+        index.release_routed([], now, served=True)  # time passes: released blocks expire
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_one_walk_of_the_fleet_map_equals_each_indexs_own_match(seed):
+    rng = random.Random(seed)
+    holders = Holders()
+    indexes = [ShadowIndex(rng.randrange(2, 12), holders) for _ in range(3)]
+    for _ in range(3):
+        view = EngineView(BLOCK, lambda lora, salt: SEED, pending_s=0.5, max_ghosts=8, holders=holders)
+        view.routed = []
+        indexes.append(view)
+    prompts = _prompts(rng)
+    mask = sum(i.bit for i in indexes)
+    for t in range(120):
+        _step(rng, rng.choice(indexes), rng.choice(prompts), now=t * 0.1)
+        for prompt in prompts:
+            hashes = block_hashes(prompt, BLOCK, SEED)
+            assert holders.depths(hashes, mask) == _expected(indexes, hashes)
+
+
+def test_a_mask_leaves_out_the_replicas_not_asked_about():
+    holders = Holders()
+    a, b = ShadowIndex(10, holders), ShadowIndex(10, holders)
+    chain = block_hashes(list(range(12)), BLOCK, SEED)
+    a.insert(chain)
+    b.insert(chain[:1])
+    assert holders.depths(chain, a.bit | b.bit) == {a.bit: 3, b.bit: 1}
+    assert holders.depths(chain, b.bit) == {b.bit: 1}
+    assert holders.depths(chain[1:], a.bit | b.bit) == {a.bit: 2}  # b holds it only as its own prefix's
+
+
+def test_a_closed_index_leaves_no_bit_and_its_slot_is_reused():
+    holders = Holders()
+    a, b = ShadowIndex(10, holders), ShadowIndex(10, holders)
+    chain = block_hashes(list(range(8)), BLOCK, SEED)
+    a.insert(chain)
+    b.insert(chain)
+    a.close()
+    assert holders.depths(chain, a.bit | b.bit) == {b.bit: 2}
+    c = EngineView(BLOCK, lambda lora, salt: SEED, holders=holders)
+    assert c.bit == a.bit  # the freed slot, not a new one
+    c.close()
+    b.close()
+    assert len(holders) == 0
