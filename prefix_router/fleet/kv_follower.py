@@ -122,6 +122,8 @@ async def follow_events(gw: Gateway) -> None:
                     continue
                 endpoint, replay = found
                 capacity = replica.num_gpu_blocks or replica.shadow.capacity
+                if replica.stream is not None:  # a stream whose task ended without stopping: its view goes too
+                    replica.stream.view.close()
                 view = EngineView(replica.block_size or gw.block_size, _seeder(replica), max_blocks=2 * capacity + 1024,
                                   holders=gw.engine_holders)
                 replica.stream = EventStream(
