@@ -17,7 +17,7 @@ model in 16-token blocks.
 
     python -m bench choice [--replicas 4,16,64,256] [--blocks 128,2048] [--reps 30]
 
-Writes its results folder (``--out``, under ``bench/results/`` by default).
+Writes ``bench/results/choice/``.
 """
 
 from __future__ import annotations
