@@ -119,6 +119,8 @@ class EngineView:
             if served and h not in blocks:
                 released.pop(h, None)
                 released[h] = now
+                if self.holders is not None:  # in flight here before a clear() forgot it, it matches again
+                    self.holders.add(h, self.bit)
             else:
                 self._left(h)
         while released:
