@@ -114,6 +114,40 @@ def _replay(url: str, requests) -> list:
     return records
 
 
+def _expected_cached(d: dict) -> int:
+    """The cached tokens a request-log line's prediction stands for: predicted, less what the
+    engine evicted while the request waited (``evicted_in_flight_tokens``)."""
+    return d["predicted_cached_tokens"] - d["evicted_in_flight_tokens"]
+
+
+def _unexplained(differ: list[dict]) -> list[tuple[int, int, int]]:
+    """(predicted, evicted in flight, cached) tokens of the request-log lines in ``differ`` that a
+    swap does not explain. Two requests of one prefix sent to one replica a moment apart may reach
+    its engine in the other order (vLLM's API server renders and tokenizes requests concurrently):
+    the gateway counted the first one sent as the prefix's prefill, the engine the second, and
+    each one's engine figure is the other's prediction. Such a pair, in flight together, the one
+    the gateway under-predicted sent first, is not a wrong picture of the cache."""
+    def start(d: dict) -> float:
+        return d["t"] - d["elapsed_s"]
+
+    def swapped(a: dict, b: dict) -> bool:
+        if _expected_cached(a) > a["cached_tokens"]:
+            a, b = b, a  # a: the one the engine gave more than predicted, the prefill's first sender
+        return (a["replica"] == b["replica"]
+                and start(a) <= start(b) < a["t"]  # sent first, both in flight at once
+                and _expected_cached(a) == b["cached_tokens"] and _expected_cached(b) == a["cached_tokens"])
+
+    left = list(differ)
+    i = 0
+    while i < len(left):
+        j = next((j for j in range(i + 1, len(left)) if swapped(left[i], left[j])), None)
+        if j is None:
+            i += 1
+        else:
+            del left[j], left[i]
+    return [(d["predicted_cached_tokens"], d["evicted_in_flight_tokens"], d["cached_tokens"]) for d in left]
+
+
 def test_prefix_affinity_predicts_vllm_and_beats_round_robin(engines, tmp_path):
     requests, kind = _workload()
     tokenizer = HFTokenizer(str(tiny_model()))
@@ -142,7 +176,9 @@ def test_prefix_affinity_predicts_vllm_and_beats_round_robin(engines, tmp_path):
               f"{hits[policy] / bound:.1%} of the bound), prefill tokens computed {computed:.0f}")
     print(f"  prefix-affinity predictions: {len(lines) - len(differ)}/{len(lines)} exact; differences: "
           f"{[(d['predicted_cached_tokens'], d['cached_tokens'], d['result']) for d in differ]}")
-    assert len(differ) <= 0.05 * len(lines)
+    # a pair swapped at the engine (two requests of one prefix in flight together) is the engine's
+    # order, not a wrong picture of the cache: it failed one CI run on a loaded machine (65/70)
+    assert len(_unexplained(differ)) <= 0.05 * len(lines), _unexplained(differ)
     for d in differ:
         if d["cached_tokens"] < d["predicted_cached_tokens"]:
             # The replica served less than believed: evicted; or routed, when another replica was

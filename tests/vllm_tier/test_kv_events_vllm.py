@@ -23,7 +23,8 @@ from prefix_router.cache.events import AllBlocksCleared, BlockRemoved, BlockStor
 from prefix_router.metrics import sample_sum
 
 from .harness import get, post_json, require_vllm, tiny_model, vllm_spec
-from .test_gateway_vllm import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, _read_log, _replay, _reset, _workload
+from .test_gateway_vllm import (BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, _expected_cached, _read_log, _replay, _reset,
+                                _unexplained, _workload)
 
 pytestmark = pytest.mark.vllm
 
@@ -130,38 +131,6 @@ def test_with_events_every_prediction_is_the_engines_under_eviction(engines, tmp
     assert all(r["kv_events"]["routing_by_events"] and r["kv_events"]["gaps_lost"] == 0 for r in view)
 
 
-def _expected_cached(d: dict) -> int:
-    """The cached tokens a request-log line's prediction stands for: predicted, less what the
-    engine evicted while the request waited (``evicted_in_flight_tokens``)."""
-    return d["predicted_cached_tokens"] - d["evicted_in_flight_tokens"]
-
-
-def _unexplained(differ: list[dict]) -> list[tuple[int, int, int]]:
-    """(predicted, evicted in flight, cached) tokens of the request-log lines in ``differ`` that a
-    swap does not explain. Two requests of one prefix sent to one replica a moment apart may reach
-    its engine in the other order (vLLM's API server renders and tokenizes requests concurrently):
-    the gateway counted the first one sent as the prefix's prefill, the engine the second, and
-    each one's engine figure is the other's prediction. Such a pair, in flight together, the one
-    the gateway under-predicted sent first, is not a wrong picture of the cache."""
-    def start(d: dict) -> float:
-        return d["t"] - d["elapsed_s"]
-
-    def swapped(a: dict, b: dict) -> bool:
-        if _expected_cached(a) > a["cached_tokens"]:
-            a, b = b, a  # a: the one the engine gave more than predicted, the prefill's first sender
-        return (a["replica"] == b["replica"]
-                and start(a) <= start(b) < a["t"]  # sent first, both in flight at once
-                and _expected_cached(a) == b["cached_tokens"] and _expected_cached(b) == a["cached_tokens"])
-
-    left = list(differ)
-    i = 0
-    while i < len(left):
-        j = next((j for j in range(i + 1, len(left)) if swapped(left[i], left[j])), None)
-        if j is None:
-            i += 1
-        else:
-            del left[j], left[i]
-    return [(d["predicted_cached_tokens"], d["evicted_in_flight_tokens"], d["cached_tokens"]) for d in left]
 
 
 def test_a_gateway_with_another_tokenizer_raises_the_parity_alarm_and_says_why(engines, tmp_path):
