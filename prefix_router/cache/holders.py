@@ -18,12 +18,17 @@ Memory: one dict entry a distinct block held anywhere, its value an int of one b
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
+from itertools import islice, takewhile
+from operator import attrgetter, eq
 from typing import Protocol
 
 from prefix_router.cache.blocks import BlockHash
 
 __all__ = ["Holders", "Index", "match_all"]
+
+_HOLDERS, _BIT = attrgetter("holders"), attrgetter("bit")
 
 
 class Index(Protocol):
@@ -35,26 +40,32 @@ class Index(Protocol):
     def match(self, hashes: Sequence[BlockHash]) -> int: ...
 
 
-def match_all(hashes: Sequence[BlockHash], indexes: Iterable[tuple[str, Index]], cap: int) -> dict[str, int]:
+def match_all(hashes: Sequence[BlockHash], indexes: Mapping[str, Index], cap: int) -> dict[str, int]:
     """Replica name -> the leading blocks of ``hashes`` its index holds, at most ``cap``: one walk
     of the prompt for all the indexes that report into one ``Holders`` map (at most two: the
-    gateway's guesses and the engines' views), an index's own ``match`` for any that does not."""
-    out: dict[str, int] = {}
-    groups: dict[int, tuple[Holders, dict[int, str]]] = {}
-    for name, index in indexes:
-        holders = index.holders
-        if holders is None:
-            out[name] = min(index.match(hashes), cap)
-            continue
-        out[name] = 0
-        group = groups.get(id(holders))
-        if group is None:
-            group = groups[id(holders)] = (holders, {})
-        group[1][index.bit] = name
+    gateway's guesses and the engines' views), an index's own ``match`` for any that does not.
+    Apart from the walk, a pass over the indexes is a few ``map`` and ``zip`` calls in C."""
+    out = dict.fromkeys(indexes, 0)
     head = hashes[:cap] if cap < len(hashes) else hashes
-    for holders, names in groups.values():
-        for bit, depth in holders.depths(head, sum(names)).items():
-            out[names[bit]] = depth
+    maps = list(map(_HOLDERS, indexes.values()))
+    for holders in set(maps):
+        if len(maps) == 1 or maps.count(holders) == len(maps):
+            group = indexes
+        else:
+            group = {name: index for (name, index), h in zip(indexes.items(), maps) if h is holders}
+        if holders is None:
+            for name, index in group.items():
+                out[name] = min(index.match(hashes), cap)
+            continue
+        names = dict(zip(map(_BIT, group.values()), group))
+        for bits, depth in holders.drops(head, sum(names)):
+            if bits.bit_count() < 8:
+                while bits:
+                    low = bits & -bits
+                    out[names[low]] = depth
+                    bits ^= low
+            else:  # many replicas at one depth (a prompt every replica holds): one pass, in C
+                out.update(dict.fromkeys([name for bit, name in names.items() if bit & bits], depth))
     return out
 
 
@@ -105,30 +116,41 @@ class Holders:
 
     def depths(self, hashes: Sequence[BlockHash], mask: int) -> dict[int, int]:
         """For each slot in ``mask`` holding the prompt's first block, the leading blocks of
-        ``hashes`` it holds, by bit; slots holding none of it are left out. One pass over the
-        prompt, ending at the first block no remaining slot holds."""
-        bits = self._bits
+        ``hashes`` it holds, by bit; slots holding none of it are left out (``drops``, a bit at
+        a time)."""
         out: dict[int, int] = {}
+        for bits, depth in self.drops(hashes, mask):
+            while bits:
+                low = bits & -bits
+                out[low] = depth
+                bits ^= low
+        return out
+
+    def drops(self, hashes: Sequence[BlockHash], mask: int) -> list[tuple[int, int]]:
+        """Where the slots of ``mask`` stop holding the prompt: ``(slots, depth)`` pairs, the
+        slots (bits) that hold exactly the first ``depth`` blocks of ``hashes``, ``depth`` > 0
+        and increasing. One pass over the prompt, ending at the first block no remaining slot
+        holds.
+
+        The blocks' masks are read in one ``map`` and a run of equal masks (a prefix held by
+        the same replicas, the common case: a shared system prompt, then one conversation's
+        history) is stepped over by ``takewhile`` in C: within a run no slot drops out, so only
+        where the mask changes does Python look at the bits."""
+        values = list(map(self._bits.get, hashes))
+        out: list[tuple[int, int]] = []
         alive = mask
-        depth = 0
-        for h in hashes:
-            held = bits.get(h, 0) & alive
-            dropped = alive ^ held
-            if dropped:
-                _record(out, dropped, depth)
+        depth, n = 0, len(values)
+        while depth < n:
+            value = values[depth]
+            held = alive & value if value is not None else 0
+            if depth and alive != held:
+                out.append((alive ^ held, depth))
             alive = held
             if not alive:
                 return out
-            depth += 1
-        _record(out, alive, depth)
+            # the run of blocks held by exactly this mask: nothing drops out within it (``eq``, as
+            # ``int.__eq__`` answers NotImplemented, which is true, to a block nobody holds)
+            depth += 1 + len(list(takewhile(partial(eq, value), islice(values, depth + 1, None))))
+        if depth:
+            out.append((alive, depth))
         return out
-
-
-def _record(out: dict[int, int], bits: int, depth: int) -> None:
-    """``out[bit] = depth`` for every set bit of ``bits`` (none when ``depth`` is 0)."""
-    if depth == 0:
-        return
-    while bits:
-        low = bits & -bits
-        out[low] = depth
-        bits ^= low

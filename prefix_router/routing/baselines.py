@@ -39,7 +39,7 @@ class _Baseline:
             raise LookupError("no healthy replica")
         order = self.order(replicas)
         cap = len(hashes) if max_hit_blocks is None else max_hit_blocks
-        matches = match_all(hashes, ((n, v.shadow) for n, v in replicas.items()), cap)
+        matches = match_all(hashes, {n: v.shadow for n, v in replicas.items()}, cap)
         best = max(order, key=lambda n: matches[n])
         depth, key = routing_key(self.branches, self.config.max_key_blocks, hashes, full_hash, session_key)
         return Decision(order[0], Route.FALLBACK, predicted_blocks=matches[order[0]],

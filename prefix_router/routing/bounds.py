@@ -12,8 +12,9 @@ each exists: step 2 of ``prefix_router/routing/policy.py``'s docstring; what it 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from prefix_router.config import RoutingConfig
 from prefix_router.cache.shadow import ShadowIndex
@@ -27,6 +28,7 @@ __all__ = ["SHARE_DIGITS", "SHARE_TOLERANCE", "Bounds", "ReplicaView", "load_bou
 # of 15. Shares are compared to a millionth of a request, which is no load to act on.
 SHARE_DIGITS = 6
 SHARE_TOLERANCE = 10.0 ** -SHARE_DIGITS
+_LOAD, _RECENT = attrgetter("load"), attrgetter("recent")
 
 
 def load_bound(total: int, replicas: int, load_factor: float, slack: int = 0) -> int:
@@ -73,7 +75,7 @@ def within_bound(load: float, bound: int) -> bool:
 class ReplicaView:
     """What a policy may know of one routable (healthy) replica."""
 
-    name: str
+    name: str  # the key it is given under in the policy's ``replicas``
     load: int  # requests in flight on it, counted at send (``ReplicaState.routing_load``)
     shadow: ShadowIndex
     recent: float = 0.0  # requests sent to it lately, decayed (``ReplicaState.recent_share``)
@@ -98,8 +100,8 @@ class Bounds:
         """The bounds for a request to ``replicas`` (the routable ones, at least one), from their
         loads and recent shares summed and ``cfg``'s factors and slacks."""
         n = len(replicas)
-        total_load = sum(v.load for v in replicas.values())
-        total_share = sum(v.recent for v in replicas.values())
+        total_load = sum(map(_LOAD, replicas.values()))
+        total_share = sum(map(_RECENT, replicas.values()))
         # past the slack the in-flight bound sees the load: no share bound for the holder. Nor
         # with several instances: each counts shares over its own part of the traffic, a sample
         # too small to tell a holder's fair share (docs/routing-rule.md, step 2)
@@ -109,6 +111,12 @@ class Bounds:
         return cls(load_bound(total_load, n, cfg.load_factor, cfg.load_slack),
                    load_bound(total_share, n, cfg.load_factor, cfg.load_slack),
                    load_bound(total_load, n, cfg.holder_load_factor, cfg.holder_slack), holder_share)
+
+    def fitting(self, order: Sequence[str], replicas: Mapping[str, ReplicaView], owner: str) -> list[str]:
+        """The replicas of ``order`` (in its order) that ``fits`` lets take the request, ``owner``
+        being the key's owner: one pass over the fleet, without a call a replica."""
+        load, share = self.load, self.share
+        return [r for r in order if replicas[r].load + 1 <= load and (r == owner or replicas[r].recent + 1 <= share)]
 
     def fits(self, view: ReplicaView, is_owner: bool, holder: bool = False) -> bool:
         """Whether ``view`` may take the request (``holder``: under the holder's looser bounds).

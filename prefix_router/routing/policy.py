@@ -40,7 +40,10 @@ behind each step and default are in ``docs/routing-rule.md``.
 The route reported: ``affinity`` (the key's ring owner), ``sticky`` (another replica held more),
 ``balance`` (new work, or a tie told apart by load), ``spill`` (the preferred replica was over
 the bound; ``spilled_from`` names it), ``fallback`` (the baselines); the proxy labels a retry
-``retry``. Cost: O(replicas x matched blocks) dictionary lookups a request.
+``retry``. Cost: one walk of the prompt's blocks in the fleet's map (``cache/holders.py``), where
+a run of blocks held by the same replicas is stepped over in C, and a handful of passes over the
+routable replicas, each a comprehension, ``map``, ``min`` or ``max`` with no Python call a
+replica (``bench/results/choice/``).
 
 The policy does no I/O and records nothing: it returns a ``Decision``; the proxy acts on it and
 counts it. Every policy follows ``Policy``; the baselines are in ``baselines.py``.
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from operator import attrgetter
 
 from prefix_router.cache.blocks import BlockHash
 from prefix_router.cache.holders import match_all
@@ -61,6 +65,10 @@ from prefix_router.routing.decision import Decision, Policy, Route, routing_key
 from prefix_router.routing.ring import Ring
 
 __all__ = ["PrefixAffinityPolicy", "make_policy"]
+
+_ENGINE = attrgetter("engine")
+_LOAD_THEN_SHARE = attrgetter("load", "recent")
+_PREFILL_THEN_LOAD = attrgetter("prefill", "load")
 
 
 class PrefixAffinityPolicy:
@@ -91,32 +99,36 @@ class PrefixAffinityPolicy:
         cap = len(hashes) if max_hit_blocks is None else max_hit_blocks
         depth, key = routing_key(self.branches, self.config.max_key_blocks, hashes, full_hash, session_key)
         order = [n for n in self.ring.candidates(key) if n in replicas] or sorted(replicas)
-        matches = match_all(hashes, ((n, v.shadow) for n, v in replicas.items()), cap)
+        matches = match_all(hashes, {n: v.shadow for n, v in replicas.items()}, cap)
         bounds = Bounds.of(self.config, replicas)
         owner = order[0]
-        rank = self._ranker(order, matches, replicas, hashes, depth)
-        preferred = min(order, key=rank)
-        fitting = [r for r in order if bounds.fits(replicas[r], r == owner)]
+        choose = self._chooser(matches, replicas, hashes, depth)
+        preferred = choose(order)
+        fitting = bounds.fitting(order, replicas, owner)
         if not fitting:  # the share bound turned away everyone within the in-flight bound
             fitting = [r for r in order if within_bound(replicas[r].load, bounds.load)]
-        top = max(order, key=lambda r: (matches[r], r == preferred))  # preferred may hold less: step 4
-        best = matches[top]
+        best = max(matches.values())
+        top = preferred if matches[preferred] == best else next(r for r in order if matches[r] == best)
         decide = partial(Decision, best_blocks=best, best_replica=top, key_depth=depth, key=key,
                          matches=matches)
         if fitting and self._is_new_work(first_turn, best, depth, cap):
             # mostly new work: what a replica holds of it is worth less than where its later
             # turns will stay and how soon its prefill starts: the least prompt queued for
             # prefill takes it, then the least loaded, then the fewest blocks (then ring order)
-            replica = min(fitting, key=lambda r: (replicas[r].prefill, replicas[r].load, len(replicas[r].shadow)))
+            replica = _soonest(fitting, replicas)
             return decide(replica, Route.BALANCE, predicted_blocks=matches[replica])
         # The holder's leave: a replica past the bounds that alone holds more of the prompt than
         # any fitting one, where that prefix is cold, keeps it up to the holder bounds.
-        most = max((matches[r] for r in fitting), default=0)
-        fitting += [r for r in order if r not in fitting and matches[r] > most
-                    and bounds.fits(replicas[r], r == owner, holder=True)
-                    and self._holds_cold_prefix(r, hashes, matches)]
+        most = max(map(matches.__getitem__, fitting), default=0)
+        if best > most:
+            taken = set(fitting)
+            leave = {r for r in order if matches[r] > most and r not in taken
+                     and bounds.fits(replicas[r], r == owner, holder=True)
+                     and self._holds_cold_prefix(r, hashes, matches)}
+            if leave:
+                fitting = [r for r in order if r in taken or r in leave]
         if fitting:
-            replica = min(fitting, key=rank)
+            replica = choose(fitting)
         else:  # loads that are not what the bound assumes (negative); not reached otherwise
             replica = min(order, key=lambda n: replicas[n].load)
         if replica != preferred:
@@ -127,23 +139,26 @@ class PrefixAffinityPolicy:
         route = Route.STICKY if matches[replica] > matches[owner] else Route.BALANCE
         return decide(replica, route, predicted_blocks=matches[replica])
 
-    def _ranker(self, order: Sequence[str], matches: Mapping[str, int], replicas: Mapping[str, ReplicaView],
-                hashes: Sequence[BlockHash], depth: int) -> Callable[[str], tuple]:
-        """The sort key of step 4: most blocks held first, not counting a shared prefix to
-        replicate (``_replicate_depth``). Replicas holding equal parts of the prompt are told
-        apart by load where every instance reads the same picture (it is the only router, or
-        every view is the engine's); else, and among replicas holding nothing, by the ring, where
-        every instance agrees (``order`` is the ring's)."""
-        shared = self.config.sole_router or all(v.engine for v in replicas.values())
-        position = {r: i for i, r in enumerate(order)}
+    def _chooser(self, matches: Mapping[str, int], replicas: Mapping[str, ReplicaView],
+                 hashes: Sequence[BlockHash], depth: int) -> Callable[[Sequence[str]], str]:
+        """Step 4's choice among replicas given in ring order: most blocks held first, not
+        counting a shared prefix to replicate (``_replicate_depth``). Replicas holding equal
+        parts of the prompt are told apart by load, then recent share, where every instance
+        reads the same picture (it is the only router, or every view is the engine's); else,
+        and among replicas holding nothing, by the ring, where every instance agrees: the first
+        of equals in the order given. Each step is a ``max``, ``min`` or comprehension over the
+        list, so a choice among 256 replicas makes no Python call a replica."""
+        shared = self.config.sole_router or all(map(_ENGINE, replicas.values()))
         common = self._replicate_depth(hashes, matches, depth) if shared else 0
-        worth = {r: m if m > common else 0 for r, m in matches.items()}
+        worth = {r: m if m > common else 0 for r, m in matches.items()} if common else matches
 
-        def rank(r: str) -> tuple:
-            if shared and (worth[r] or common):
-                return -worth[r], replicas[r].load, replicas[r].recent, position[r]
-            return -worth[r], 0, 0, position[r]
-        return rank
+        def choose(candidates: Sequence[str]) -> str:
+            most = max(map(worth.__getitem__, candidates))
+            tied = [r for r in candidates if worth[r] == most]
+            if len(tied) == 1 or not shared or not (most or common):
+                return tied[0]
+            return min(map(replicas.__getitem__, tied), key=_LOAD_THEN_SHARE).name
+        return choose
 
     def _replicate_depth(self, hashes: Sequence[BlockHash], matches: Mapping[str, int], depth: int) -> int:
         """The deepest hot prefix of the prompt (``_is_hot``) within the part many prompts share
@@ -187,6 +202,17 @@ class PrefixAffinityPolicy:
         (one system prompt behind every conversation) must be replicated, and is not cold."""
         depth = matches[name]
         return depth > 0 and not self._is_hot(hashes, depth, matches)
+
+
+def _soonest(candidates: Sequence[str], replicas: Mapping[str, ReplicaView]) -> str:
+    """New work's replica among ``candidates`` (ring order): the least prompt queued for prefill,
+    then the least loaded, then the fewest blocks held, then the first; in C but for the blocks
+    held, read only for the replicas tied before them."""
+    views = list(map(replicas.__getitem__, candidates))
+    least = _PREFILL_THEN_LOAD(min(views, key=_PREFILL_THEN_LOAD))
+    tied = [v for v in views if _PREFILL_THEN_LOAD(v) == least]
+    held = [len(v.shadow) for v in tied]
+    return tied[held.index(min(held))].name
 
 
 def make_policy(config: RoutingConfig, ring: Ring, branches: BranchStats,

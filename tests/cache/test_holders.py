@@ -9,7 +9,7 @@ import pytest
 from prefix_router.cache.blocks import block_hashes, seed_hash
 from prefix_router.cache.engine_view import EngineView
 from prefix_router.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefix_router.cache.holders import Holders
+from prefix_router.cache.holders import Holders, match_all
 from prefix_router.cache.shadow import ShadowIndex
 
 BLOCK = 4
@@ -104,3 +104,20 @@ def test_a_closed_index_leaves_no_bit_and_its_slot_is_reused():
     c.close()
     b.close()
     assert len(holders) == 0
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_match_all_answers_each_indexs_own_match_across_maps_and_many_replicas(seed):
+    """Up to 40 replicas: some reporting into one map, some into another, some into none; many
+    holding a prompt to the same depth (the path that hands a depth to many replicas at once)."""
+    rng = random.Random(seed)
+    maps = [Holders(), Holders(), None]
+    indexes = {f"r{i}": ShadowIndex(rng.randrange(4, 40), rng.choice(maps)) for i in range(rng.randrange(1, 41))}
+    prompts = _prompts(rng)
+    for index in indexes.values():
+        for prompt in rng.sample(prompts, rng.randrange(len(prompts))):
+            index.insert(block_hashes(prompt[:BLOCK * rng.randrange(len(prompt) // BLOCK + 1)], BLOCK, SEED))
+    for prompt in prompts:
+        hashes = block_hashes(prompt, BLOCK, SEED)
+        for cap in (len(hashes), len(hashes) // 2):
+            assert match_all(hashes, indexes, cap) == {n: min(i.match(hashes), cap) for n, i in indexes.items()}
