@@ -95,8 +95,12 @@ class ReplicaState:
     def routable(self) -> bool:
         """On the ring: healthy, past the restart check that follows a recovery (or a new
         replica's first scrape), not draining, and its circuit breaker lets requests through."""
+        return self.routable_at(time.monotonic())
+
+    def routable_at(self, now: float) -> bool:
+        """``routable`` at ``now`` (monotonic s): one clock read serves a pass over the fleet."""
         return (self.healthy and not self.recovering and self.draining_since is None
-                and self.breaker.allows(time.monotonic()))
+                and (self.breaker.opened_at is None or self.breaker.allows(now)))
 
     @property
     def load(self) -> int:

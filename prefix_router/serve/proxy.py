@@ -171,11 +171,11 @@ def choose(gw: Gateway, info: PromptInfo, session: str | None, exclude: frozense
     now = time.monotonic()
     half_life = gw.config.routing.share_half_life_s
     views = {}
-    for r in gw.replicas.values():
-        if r.routable and r.name not in exclude and (allowed is None or r.name in allowed):
+    for r in gw.replicas.values():  # a pass over the fleet per request: kept to attribute reads
+        if r.routable_at(now) and r.name not in exclude and (allowed is None or r.name in allowed):
             index = r.cache_index(info.exact)
             views[r.name] = ReplicaView(r.name, r.routing_load, index, r.recent_share(now, half_life),
-                                        prefill=r.prefill_blocks, engine=index is not r.shadow)
+                                        r.prefill_blocks, index is not r.shadow)
     if not views:
         return None
     started = time.perf_counter()
