@@ -168,8 +168,9 @@ async def _lifecycle(app: web.Application):
     await check_all(gw.http, replicas, config.health)
     await asyncio.gather(*(scrape_once(gw.http, r, 2.0) for r in replicas))
     gw.sync_ring()
-    tasks = [asyncio.create_task(poll_health(gw.http, gw.replicas, config.health)),
-             asyncio.create_task(poll_metrics(gw.http, gw.replicas, config.scrape.interval_s)),
+    models_s = config.scrape.models_interval_s
+    tasks = [asyncio.create_task(poll_health(gw.http, gw.replicas, config.health, models_s)),
+             asyncio.create_task(poll_metrics(gw.http, gw.replicas, config.scrape.interval_s, models_s)),
              asyncio.create_task(_sync_loop(gw, min(config.scrape.interval_s, config.health.interval_s) / 2))]
     if config.discovery.dns:
         tasks.append(asyncio.create_task(poll_dns(gw, config.discovery)))

@@ -190,6 +190,7 @@ CHECKS: dict[tuple[type, str], _Check] = {
     (HealthConfig, "unhealthy_after"): _POSITIVE,
     (HealthConfig, "healthy_after"): _POSITIVE,
     (ScrapeConfig, "interval_s"): _TIME,
+    (ScrapeConfig, "models_interval_s"): _NON_NEGATIVE,  # 0: at every scrape
     (UpstreamConfig, "connect_timeout_s"): _TIME,
     (UpstreamConfig, "read_timeout_s"): _TIME,
     (UpstreamConfig, "max_retries"): _NON_NEGATIVE,

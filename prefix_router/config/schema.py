@@ -148,6 +148,9 @@ class ScrapeConfig:
     # seconds between scrapes of vllm:num_requests_waiting / running and cache_config_info;
     # 1 s matches how fast queues change at tens of requests per second
     interval_s: float = 1.0
+    # seconds between reads of each replica's /v1/models (its served names and LoRA adapters),
+    # at a scrape; a request naming a model no replica lists reads them all at once
+    models_interval_s: float = 10.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import aiohttp
 
@@ -38,9 +40,14 @@ from prefix_router.cache.engine_view import EngineView
 from prefix_router.cache.stream import EventStream
 
 __all__ = ["ReplicaState", "parse_engine_metrics", "check_once", "check_all", "apply_health", "apply_metrics", "poll_health",
-           "scrape_once", "poll_metrics"]
+           "scrape_once", "poll_metrics", "spread"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# groups a round of probes is started in, evenly over its interval (``spread``): a tenth of a
+# second apart at the default scrape interval, few enough wakeups to cost nothing
+SPREAD_SLICES = 10
 
 DEFAULT_CAPACITY_BLOCKS = 28_000  # prefix_router/tools/sim/config.py: an H100 80 GB serving an 8B model
 _SAMPLE = re.compile(r'^(vllm:[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|\+Inf)$')
@@ -71,6 +78,7 @@ class ReplicaState:
     block_size: int | None = None  # from cache_config_info or the configuration
     num_gpu_blocks: int | None = None
     models: list[str] = field(default_factory=list)
+    models_read_at: float = -math.inf  # monotonic seconds of the last read of /v1/models
     queries_total: float = 0.0  # last vllm:prefix_cache_queries_total, to spot restarts
     failures: int = 0
     successes: int = 0
@@ -200,31 +208,59 @@ def apply_health(replica: ReplicaState, ok: bool, config: HealthConfig) -> None:
                     replica.failures, replica.last_failure)
 
 
-async def check_all(http: aiohttp.ClientSession, replicas: list[ReplicaState], config: HealthConfig) -> None:
-    """One health check of each of ``replicas``, at once, applied (``apply_health``)."""
-    results = await asyncio.gather(*(check_once(http, r, config.timeout_s) for r in replicas))
+async def spread(replicas: list[ReplicaState], interval_s: float, probe: Callable[[ReplicaState], Awaitable[T]]
+                 ) -> list[T]:
+    """``probe`` every one of ``replicas``, started in ``SPREAD_SLICES`` groups evenly over
+    ``interval_s`` rather than all at once, then every answer, in their order. 256 replicas
+    probed in one burst put 256 requests, and their answers, between two client requests: a
+    stall of the event loop the requests behind it wait out."""
+    slices = max(1, min(SPREAD_SLICES, len(replicas)))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    tasks = []
+    for k in range(slices):
+        delay = started + k * interval_s / slices - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks += [asyncio.ensure_future(probe(r)) for r in replicas[k::slices]]
+    results = await asyncio.gather(*tasks)
+    order = [r for k in range(slices) for r in replicas[k::slices]]
+    by_replica = dict(zip(map(id, order), results))
+    return [by_replica[id(r)] for r in replicas]
+
+
+async def check_all(http: aiohttp.ClientSession, replicas: list[ReplicaState], config: HealthConfig,
+                    interval_s: float = 0.0) -> None:
+    """One health check of each of ``replicas``, spread over ``interval_s`` (0: at once),
+    applied (``apply_health``)."""
+    results = await spread(replicas, interval_s, lambda r: check_once(http, r, config.timeout_s))
     for replica, ok in zip(replicas, results):
         apply_health(replica, ok, config)
 
 
-async def poll_health(http: aiohttp.ClientSession, replicas: Mapping[str, ReplicaState], config: HealthConfig) -> None:
-    """Check every replica's /health forever (the mapping is read anew each round, so
-    replicas added or dropped by discovery are followed)."""
+async def poll_health(http: aiohttp.ClientSession, replicas: Mapping[str, ReplicaState], config: HealthConfig,
+                      models_interval_s: float = 0.0) -> None:
+    """Check every replica's /health every ``config.interval_s`` forever, the checks of a round
+    spread over the interval (``spread``); the mapping is read anew each round, so replicas added
+    or dropped by discovery are followed."""
+    loop = asyncio.get_running_loop()
     while True:
+        started = loop.time()
         current = list(replicas.values())
-        await check_all(http, current, config)
+        await check_all(http, current, config, config.interval_s)
         # a replica that just passed waits for a scrape to join the ring: scrape it now, not at
         # the next round of poll_metrics
         joining = [r for r in current if r.healthy and r.recovering]
-        await asyncio.gather(*(scrape_once(http, r, max(config.timeout_s, 1.0)) for r in joining))
-        await asyncio.sleep(config.interval_s)
+        await asyncio.gather(*(scrape_once(http, r, max(config.timeout_s, 1.0), models_interval_s) for r in joining))
+        await asyncio.sleep(max(0.0, started + config.interval_s - loop.time()))
 
 
-async def scrape_once(http: aiohttp.ClientSession, replica: ReplicaState, timeout_s: float) -> bool:
-    """Read one replica's /metrics and /v1/models into its state; False when /metrics did not
-    answer. The models are read at every scrape, so LoRA adapters loaded or unloaded at run time
-    (``/v1/load_lora_adapter``: vLLM lists each adapter as a model) are followed within a scrape
-    interval; a failed read keeps the list from before."""
+async def scrape_once(http: aiohttp.ClientSession, replica: ReplicaState, timeout_s: float,
+                      models_interval_s: float = 0.0) -> bool:
+    """Read one replica's /metrics, and its /v1/models when last read ``models_interval_s`` ago
+    or more, into its state; False when /metrics did not answer. The models are read again and
+    again, so LoRA adapters loaded or unloaded at run time (``/v1/load_lora_adapter``: vLLM
+    lists each adapter as a model) are followed; a failed read keeps the list from before."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with http.get(replica.url + "/metrics", timeout=timeout) as resp:
@@ -234,12 +270,14 @@ async def scrape_once(http: aiohttp.ClientSession, replica: ReplicaState, timeou
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
         return False
     apply_metrics(replica, text)
-    await read_models(http, replica, timeout_s)
+    if time.monotonic() - replica.models_read_at >= models_interval_s:
+        await read_models(http, replica, timeout_s)
     return True
 
 
 async def read_models(http: aiohttp.ClientSession, replica: ReplicaState, timeout_s: float) -> None:
     """One replica's ``/v1/models`` ids into ``replica.models`` (unchanged when it fails)."""
+    replica.models_read_at = time.monotonic()
     try:
         async with http.get(replica.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             models = [m["id"] for m in (await resp.json()).get("data", [])] if resp.status == 200 else None
@@ -277,12 +315,18 @@ def apply_metrics(replica: ReplicaState, text: str) -> None:
         replica.num_gpu_blocks = int(cache["num_gpu_blocks"])
 
 
-async def poll_metrics(http: aiohttp.ClientSession, replicas: Mapping[str, ReplicaState], interval_s: float) -> None:
-    """Scrape every replica's /metrics every ``interval_s`` forever (the mapping is read anew
-    each round), starting one interval from now: the gateway scraped them all as it started."""
+async def poll_metrics(http: aiohttp.ClientSession, replicas: Mapping[str, ReplicaState], interval_s: float,
+                       models_interval_s: float = 0.0) -> None:
+    """Scrape every replica's /metrics every ``interval_s`` forever, the scrapes of a round spread
+    over the interval (``spread``; the mapping is read anew each round), starting one interval
+    from now: the gateway scraped them all as it started."""
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(interval_s)
     while True:
-        await asyncio.sleep(interval_s)
-        await asyncio.gather(*(scrape_once(http, r, max(interval_s, 1.0)) for r in list(replicas.values())))
+        started = loop.time()
+        await spread(list(replicas.values()), interval_s,
+                     lambda r: scrape_once(http, r, max(interval_s, 1.0), models_interval_s))
+        await asyncio.sleep(max(0.0, started + interval_s - loop.time()))
 
 
 def _digits(value: str) -> bool:

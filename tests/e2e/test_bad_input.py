@@ -78,7 +78,7 @@ async def test_with_every_replica_down_a_passthrough_gets_an_openai_style_503(ai
 
 
 async def test_an_unknown_model_gets_a_404_in_vllms_words(fleet, gateway):
-    # The gateway reads each replica's /v1/models at every scrape, and again before refusing a
+    # The gateway reads each replica's /v1/models every scrape.models_interval_s, and again before refusing a
     # model none listed (a LoRA adapter loaded since), so its 404 is the one vLLM would give.
     client = await gateway(await fleet(1))
     resp = await client.post("/v1/chat/completions",

@@ -115,3 +115,54 @@ def test_replicas_sent_as_many_requests_at_different_moments_tie_where_shares_ne
         late.note_sent(t + 0.37, 1e9)
     assert 3.0 * 0.5 ** (2.37 / 1e9) != 3.0  # the noise the tie must survive
     assert early.recent_share(5.0, 1e9) == late.recent_share(5.0, 1e9) == 3.0
+
+
+# --- polling -------------------------------------------------------------------------------
+
+async def test_a_round_of_probes_is_spread_over_its_interval_and_answers_in_the_replicas_order():
+    import asyncio
+
+    from prefix_router.fleet.replicas import SPREAD_SLICES, spread
+
+    replicas = [ReplicaState(ReplicaConfig(url=f"http://r{i}:8000"), f"r{i}:8000") for i in range(25)]
+    loop = asyncio.get_running_loop()
+    started: dict[str, float] = {}
+
+    async def probe(replica: ReplicaState) -> str:
+        started[replica.name] = loop.time()
+        return replica.name
+
+    t0 = loop.time()
+    assert await spread(replicas, 0.5, probe) == [r.name for r in replicas]
+    times = sorted(started.values())
+    assert times[-1] - t0 >= 0.5 * (SPREAD_SLICES - 1) / SPREAD_SLICES  # the last group a slice before the end
+    assert sum(1 for t in times if t - t0 < 0.05) <= -(-len(replicas) // SPREAD_SLICES)  # one group at first
+    assert await spread(replicas[:3], 0.0, probe) == [r.name for r in replicas[:3]]  # 0: all at once
+
+
+async def test_a_scrape_reads_the_models_only_once_their_interval_has_passed(aiohttp_server):
+    import aiohttp
+    from aiohttp import web
+
+    from prefix_router.fleet.replicas import scrape_once
+
+    reads = []
+
+    async def models(request):
+        reads.append(1)
+        return web.json_response({"data": [{"id": "m"}]})
+
+    async def metrics(request):
+        return web.Response(text=page(1))
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    server = await aiohttp_server(app)
+    replica = ReplicaState(ReplicaConfig(url=str(server.make_url("")).rstrip("/")), "r")
+    async with aiohttp.ClientSession() as http:
+        for _ in range(3):
+            assert await scrape_once(http, replica, 2.0, models_interval_s=3600.0)
+        assert replica.models == ["m"] and len(reads) == 1  # the first scrape reads them, the next two not
+        assert await scrape_once(http, replica, 2.0, models_interval_s=0.0)
+        assert len(reads) == 2
