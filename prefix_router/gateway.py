@@ -112,8 +112,14 @@ class Gateway:
         up to ``max_num_seqs`` at once) from being held here until the next scrape.
         """
         depth = self.config.admission.saturated_depth
-        routable = [r for r in self.replicas.values() if r.routable]
-        return bool(routable) and all(r.waiting > 0 and r.load >= depth for r in routable)
+        now = time.monotonic()
+        found = False
+        for r in self.replicas.values():  # asked for every request: the first free replica ends it
+            if r.routable_at(now):
+                if r.waiting <= 0 or r.load < depth:
+                    return False
+                found = True
+        return found
 
     def add_replica(self, rc: ReplicaConfig, *, discovered: bool = False) -> ReplicaState:
         """Know a replica. A discovered one joins the ring after its first ``/metrics`` scrape
@@ -231,7 +237,9 @@ class Gateway:
         replica may serve it (``model_known`` tells a model served by a replica that is down)."""
         if not isinstance(model, str) or not model:  # vLLM serves its first model for "" too
             return None
-        return frozenset(r.name for r in self.replicas.values() if r.routable and (not r.models or model in r.models))
+        now = time.monotonic()
+        return frozenset([r.name for r in self.replicas.values()
+                          if (not r.models or model in r.models) and r.routable_at(now)])
 
     async def refresh_models(self, min_interval_s: float = 1.0) -> None:
         """Read every routable replica's ``/v1/models`` now, at most once per ``min_interval_s``:
