@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 from prefix_router.metrics import sample_sum
@@ -96,3 +98,12 @@ def mooncake_trace(tmp_dir: Path, name: str = "mooncake_conversation.jsonl") -> 
     path = tmp_dir / name
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+async def until(predicate, timeout_s: float = 5.0) -> None:
+    """Poll ``predicate`` every 10 ms until it holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)

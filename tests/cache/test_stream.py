@@ -25,6 +25,8 @@ from prefix_router.cache.blocks import block_hashes, seed_hash
 from prefix_router.cache.engine_view import EngineView
 from prefix_router.cache.stream import MAX_SEQ, EventStream
 
+from ..helpers import until
+
 BS = 4  # tokens per block
 MODEL = "tiny"
 END = (-1).to_bytes(8, "big", signed=True)
@@ -114,15 +116,6 @@ class Engine:
             await self._task
         self.router.close()
         self.pub.close()
-
-
-async def until(predicate, timeout_s: float = 5.0) -> None:
-    """Poll ``predicate`` until it holds; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture

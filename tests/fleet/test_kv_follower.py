@@ -24,7 +24,7 @@ from prefix_router.fleet.replicas import scrape_once
 from prefix_router.gateway import Gateway
 from prefix_router.prompts.tokenizer import ByteTokenizer
 
-from ..helpers import MODEL, metric
+from ..helpers import MODEL, metric, until
 
 BS = 4  # tokens per block, the view's and the prompts'
 
@@ -122,14 +122,6 @@ def test_a_bind_address_becomes_a_connect_address_on_the_replicas_host(bound, ho
 
 EVENTS = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
           "replay_endpoint": "tcp://127.0.0.1:*"}
-
-
-async def until(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 def series(page: str, name: str) -> set[tuple]:
