@@ -191,6 +191,7 @@ CHECKS: dict[tuple[type, str], _Check] = {
     (HealthConfig, "healthy_after"): _POSITIVE,
     (ScrapeConfig, "interval_s"): _TIME,
     (ScrapeConfig, "models_interval_s"): _NON_NEGATIVE,  # 0: at every scrape
+    (ScrapeConfig, "idle_interval_s"): _NON_NEGATIVE,  # at most interval_s: every scrape
     (UpstreamConfig, "connect_timeout_s"): _TIME,
     (UpstreamConfig, "read_timeout_s"): _TIME,
     (UpstreamConfig, "max_retries"): _NON_NEGATIVE,

@@ -151,6 +151,10 @@ class ScrapeConfig:
     # seconds between reads of each replica's /v1/models (its served names and LoRA adapters),
     # at a scrape; a request naming a model no replica lists reads them all at once
     models_interval_s: float = 10.0
+    # seconds between scrapes of a replica that was idle at its last one (an empty engine, and
+    # nothing sent since), where this gateway is the only router (routing.sole_router): nothing
+    # else loads it, and its first request is counted here the moment it is sent
+    idle_interval_s: float = 10.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

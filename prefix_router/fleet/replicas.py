@@ -10,7 +10,9 @@ that only answered slowly (a busy engine can miss a 1 s health check) keeps its 
 it on every recovery would send its conversations elsewhere and call its hits unpredicted.
 
 Load: ``GET /metrics`` every ``scrape.interval_s`` reads ``vllm:num_requests_waiting`` and
-``vllm:num_requests_running``. The routing bound compares ``routing_load``: this gateway's
+``vllm:num_requests_running``; a replica idle at its last scrape is scraped every
+``scrape.idle_interval_s`` only where this gateway is the only router, and every round of probes
+is spread over its interval (``spread``). The routing bound compares ``routing_load``: this gateway's
 requests in flight, counted the moment each is sent, plus what the engine reported beyond them
 at the last scrape (other gateway instances). Admission compares ``load``: the engine's queue
 plus requests sent since the scrape and still in flight (``sent_since_scrape``), so a burst is
@@ -50,7 +52,12 @@ T = TypeVar("T")
 SPREAD_SLICES = 10
 
 DEFAULT_CAPACITY_BLOCKS = 28_000  # prefix_router/tools/sim/config.py: an H100 80 GB serving an 8B model
-_SAMPLE = re.compile(r'^(vllm:[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|\+Inf)$')
+# Only the samples the gateway reads, found by one regex scan of the page in C: a vLLM page runs
+# to hundreds of lines of histograms, and a Python loop over its lines was a quarter of an idle
+# gateway's CPU at 256 replicas (bench/results/fleet-cost/)
+_SAMPLE = re.compile(r'^(vllm:(?:num_requests_waiting|num_requests_running|prefix_cache_queries_total'
+                     r'|prefix_cache_hits_total|cache_config_info))(\{[^}\n]*\})? ([0-9.eE+-]+|NaN|\+Inf)\r?$',
+                     re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -79,6 +86,7 @@ class ReplicaState:
     num_gpu_blocks: int | None = None
     models: list[str] = field(default_factory=list)
     models_read_at: float = -math.inf  # monotonic seconds of the last read of /v1/models
+    scraped_at: float = -math.inf  # monotonic seconds of the last scrape applied (``apply_metrics``)
     queries_total: float = 0.0  # last vllm:prefix_cache_queries_total, to spot restarts
     failures: int = 0
     successes: int = 0
@@ -104,6 +112,13 @@ class ReplicaState:
         """On the ring: healthy, past the restart check that follows a recovery (or a new
         replica's first scrape), not draining, and its circuit breaker lets requests through."""
         return self.routable_at(time.monotonic())
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running or queued at the last scrape and nothing sent since, on the ring:
+        where this gateway is the only router, nothing has loaded it since (``poll_metrics``)."""
+        return (self.inflight == 0 and self.sent_since_scrape == 0 and self.waiting == 0 and self.running == 0
+                and self.healthy and not self.recovering)
 
     def routable_at(self, now: float) -> bool:
         """``routable`` at ``now`` (monotonic s): one clock read serves a pass over the fleet."""
@@ -157,15 +172,10 @@ class ReplicaState:
 def parse_engine_metrics(text: str) -> dict:
     """The few vLLM metrics the gateway reads, summed over label sets; cache_config labels."""
     out: dict = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        name, labels, value = m.groups()
+    for name, labels, value in _SAMPLE.findall(text):
         if name == "vllm:cache_config_info":
-            out["cache_config"] = dict(_LABEL.findall(labels or ""))
-        elif name in ("vllm:num_requests_waiting", "vllm:num_requests_running",
-                      "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+            out["cache_config"] = dict(_LABEL.findall(labels))
+        else:
             out[name] = out.get(name, 0.0) + float(value)
     return out
 
@@ -298,6 +308,7 @@ def apply_metrics(replica: ReplicaState, text: str) -> None:
     replica.others = max(replica.waiting + replica.running - replica.inflight, 0)
     replica.sent_since_scrape = 0
     replica.scrape_epoch += 1
+    replica.scraped_at = time.monotonic()
     queries = metrics.get("vllm:prefix_cache_queries_total", 0.0)
     if queries < replica.queries_total:
         replica.reset_cache_view("prefix cache counters went back (restarted)")
@@ -316,16 +327,19 @@ def apply_metrics(replica: ReplicaState, text: str) -> None:
 
 
 async def poll_metrics(http: aiohttp.ClientSession, replicas: Mapping[str, ReplicaState], interval_s: float,
-                       models_interval_s: float = 0.0) -> None:
+                       models_interval_s: float = 0.0, idle_interval_s: float = 0.0) -> None:
     """Scrape every replica's /metrics every ``interval_s`` forever, the scrapes of a round spread
     over the interval (``spread``; the mapping is read anew each round), starting one interval
-    from now: the gateway scraped them all as it started."""
+    from now: the gateway scraped them all as it started. A replica ``idle`` at its last scrape
+    is scraped every ``idle_interval_s`` only (the caller passes ``interval_s`` or less where
+    other routers may load it)."""
     loop = asyncio.get_running_loop()
     await asyncio.sleep(interval_s)
     while True:
         started = loop.time()
-        await spread(list(replicas.values()), interval_s,
-                     lambda r: scrape_once(http, r, max(interval_s, 1.0), models_interval_s))
+        now = time.monotonic()
+        due = [r for r in replicas.values() if not r.idle or now - r.scraped_at >= idle_interval_s]
+        await spread(due, interval_s, lambda r: scrape_once(http, r, max(interval_s, 1.0), models_interval_s))
         await asyncio.sleep(max(0.0, started + interval_s - loop.time()))
 
 

@@ -166,3 +166,59 @@ async def test_a_scrape_reads_the_models_only_once_their_interval_has_passed(aio
         assert replica.models == ["m"] and len(reads) == 1  # the first scrape reads them, the next two not
         assert await scrape_once(http, replica, 2.0, models_interval_s=0.0)
         assert len(reads) == 2
+
+
+def test_the_metrics_read_are_summed_over_engines_and_their_neighbours_are_left_alone():
+    from prefix_router.fleet.replicas import parse_engine_metrics
+
+    page = ("# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+            'vllm:num_requests_waiting{engine="1",model_name="m"} 2.0\r\n'  # a CRLF page too
+            'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 9.0\n'  # not the same metric
+            "vllm:num_requests_running 1\n"
+            'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 7e3\n'
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="100",prefix_caching_hash_algo="sha256"} 1.0\n'
+            'vllm:time_to_first_token_seconds_bucket{le="0.5",model_name="m"} 4.0\n')
+    assert parse_engine_metrics(page) == {
+        "vllm:num_requests_waiting": 5.0, "vllm:num_requests_running": 1.0, "vllm:prefix_cache_queries_total": 7000.0,
+        "cache_config": {"block_size": "16", "num_gpu_blocks": "100", "prefix_caching_hash_algo": "sha256"}}
+
+
+async def test_a_replica_idle_at_its_last_scrape_waits_the_idle_interval_and_a_busy_one_does_not(aiohttp_server):
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from prefix_router.fleet.replicas import poll_metrics
+
+    scrapes = {"idle": 0, "busy": 0}
+
+    def replica_app(name: str) -> web.Application:
+        async def metrics(request):
+            scrapes[name] += 1
+            return web.Response(text=page(1))
+
+        async def models(request):
+            return web.json_response({"data": [{"id": "m"}]})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/v1/models", models)
+        return app
+
+    replicas = {}
+    for name in scrapes:
+        server = await aiohttp_server(replica_app(name))
+        replica = ReplicaState(ReplicaConfig(url=str(server.make_url("")).rstrip("/")), name)
+        apply_health(replica, True, HEALTH)
+        apply_metrics(replica, page(1))  # the scrape at start: an empty engine
+        replicas[name] = replica
+    replicas["busy"].inflight = 1  # a request of this gateway's on it
+    assert replicas["idle"].idle and not replicas["busy"].idle
+    async with aiohttp.ClientSession() as http:
+        task = asyncio.create_task(poll_metrics(http, replicas, 0.05, idle_interval_s=3600.0))
+        await asyncio.sleep(0.4)
+        task.cancel()
+    assert scrapes["idle"] == 0 and scrapes["busy"] >= 3, scrapes
