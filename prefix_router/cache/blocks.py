@@ -15,6 +15,7 @@ compares token ids, not engine hashes.
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections.abc import Sequence
 from typing import NewType
@@ -38,7 +39,7 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
 
     ``hashes[i]`` identifies ``token_ids[: (i + 1) * block_size]``. Call again as the sequence
     grows (generated tokens, a longer next turn) to hash only the new blocks. Token ids must be
-    in [-2**63, 2**63).
+    ints in [-2**63, 2**63) (else ``struct.error``).
     """
     num_full = len(token_ids) // block_size
     start = len(hashes)
@@ -46,8 +47,12 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
         return
     parent = hashes[-1] if hashes else seed
     window = token_ids[start * block_size : num_full * block_size]
-    # an array("q") is already the bytes to hash (a tokenizer's ``Tokens``); a list is converted
-    data = (window if isinstance(window, array) and window.typecode == "q" else array("q", window)).tobytes()
+    # an array("q") is already the bytes to hash (a tokenizer's ``Tokens``); a list is packed by
+    # ``struct``, which converts a list of ints about three times faster than ``array`` does
+    if isinstance(window, array) and window.typecode == "q":
+        data = window.tobytes()
+    else:
+        data = struct.pack(f"<{len(window)}q", *window)
     width = block_size * 8
     digest = xxhash.xxh3_64_intdigest
     for offset in range(0, len(data), width):
