@@ -2,8 +2,8 @@
 ``--help`` shows, a command's name being its module's with ``-`` for ``_``. A module here that
 ``COMMANDS`` misses fails ``tests/test_bench_main.py``."""
 
-COMMANDS = ("compare", "overhead", "choice", "instances", "mooncake", "load", "hostile-bodies", "sim-throughput",
-            "kv-event-sizes")
+COMMANDS = ("compare", "overhead", "choice", "fleet-cost", "instances", "mooncake", "load", "hostile-bodies",
+            "sim-throughput", "kv-event-sizes")
 
 
 def module_of(command: str) -> str:
