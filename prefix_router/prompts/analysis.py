@@ -121,12 +121,26 @@ _TOKEN_IDS = list[Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]]
 
 
 def _token_ids(values: list) -> bool:
-    """Whether ``values`` is a list of token ids (every one an int in [0, 2**63), no bool)."""
+    """Whether ``values`` is a list of token ids (every one an int in [0, 2**63), no bool).
+
+    The last list's answer is kept: ``check_body`` asks and ``analyze`` asks again of the same
+    list, and a 32k-token prompt's check is a tenth of its gateway CPU. The list is held with it,
+    so its identity cannot pass to another list; a tuple swapped whole, so a worker thread's
+    analysis reads an answer and its list together."""
+    global _last_checked
+    last = _last_checked
+    if last[0] is values:
+        return last[1]
     try:
         msgspec.convert(values, _TOKEN_IDS)
+        ok = True
     except msgspec.ValidationError:
-        return False
-    return True
+        ok = False
+    _last_checked = (values, ok)
+    return ok
+
+
+_last_checked: tuple[list | None, bool] = (None, False)
 
 
 def _chat_text(body: dict) -> str:
