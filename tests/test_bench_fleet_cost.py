@@ -80,10 +80,12 @@ def test_the_ratios_come_from_the_medians():
 def test_the_command_writes_its_results_folder(tmp_path):
     assert main(["--replicas", "1,2", "--shared-tokens", "256,32", "--own-tokens", "16", "--requests", "10",
                  "--warmup", "2", "--reps", "2", "--settle-seconds", "0", "--idle-seconds", "0.5",
-                 "--out", str(tmp_path)]) == 0
+                 "--background-seconds", "0.3", "--out", str(tmp_path)]) == 0
     readme = (tmp_path / "README.md").read_text()
     assert "python -m bench fleet-cost" in readme and "| 2 | 272 (256 + 16) |" in readme
     assert "health probes every 2 s" in readme and "| 2 / 1 replicas, 272-token prompts |" in readme
     results = json.loads((tmp_path / "results.json").read_text())["results"]
     assert len(results["cells"]) == 8 and all(c["errors"] == 0 for c in results["cells"])
     assert all(1 <= c["holders"] <= c["replicas"] for c in results["cells"])
+    assert [t["rate_per_s"] for t in results["background"]] == [0.5, 1.0, 0.1, 0.1]  # each task measured
+    assert "| health probes (`/health` every `health.interval_s`, 2 s) |" in readme

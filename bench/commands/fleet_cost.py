@@ -23,7 +23,9 @@ more replicas as a run goes on, and the match's cost grows with them.
 
 Idle: once every replica is on its gateway's ring and ``--settle-seconds`` (10) have passed,
 each gateway's CPU over ``--idle-seconds`` (30) with no requests, as % of one core: the cost of
-its health probes, scrapes and other pollers. The ratios the issue sets goals for close the page.
+its health probes, scrapes and other pollers. The ratios the issue sets goals for follow, and
+last each background task alone at the largest fleet (``bench/background.py``): its CPU, and the
+fleet size at which it would take a tenth of a core.
 
     python -m bench fleet-cost [--replicas 4,256] [--shared-tokens 32768,896] [--requests 400] [--reps 3]
 
@@ -49,7 +51,7 @@ from prefix_router.config import load_config
 from prefix_router.tools.launch import gateway_server, running
 from prefix_router.tools.replay.summary import percentile
 
-from .. import CACHE, RESULTS
+from .. import CACHE, RESULTS, background
 from ..fake_fleet import MODEL, started
 from ..meters import cpu_seconds
 from ..report import command_line, write_results
@@ -75,6 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every cell, in turn")
     parser.add_argument("--settle-seconds", type=float, default=10.0, help="wait after the fleet is on the ring")
     parser.add_argument("--idle-seconds", type=float, default=30.0, help="idle CPU measured over this long")
+    parser.add_argument("--background-seconds", type=float, default=20.0,
+                        help="each background task alone at the largest fleet, measured over this long (0: skip)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "fleet-cost")
     return parser.parse_args(argv)
@@ -310,7 +314,13 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"rep {rep}: {c['replicas']} replicas, {c['tokens']:,} tokens: {c['cpu_ms']:.2f} ms CPU a "
                           f"request, {c['requests_per_s']:.0f}/s, {c['errors']} errors", flush=True)
         facts["elsewhere_cells_pct"] = elsewhere(machine0, snapshot(gateways))
+        largest = max(gateways, key=lambda g: g["replicas"])
+        urls = json.loads(largest["config"].read_text())["replicas"]
+        tasks = (background.measure(urls, log_dir, wait_on_ring, args.background_seconds)
+                 if args.background_seconds > 0 else [])
     lines = report_lines(cells, idle, facts, args)
+    if tasks:
+        lines += background.lines(tasks, len(urls), args.background_seconds)
     write_results(args.out, "The gateway's CPU as the fleet and the prompts grow", command_line(__name__, argv), lines,
-                  {"gateway": facts, "idle": idle, "cells": cells})
+                  {"gateway": facts, "idle": idle, "cells": cells, "background": tasks})
     return 0 if not any(c["errors"] for c in cells) else 1
