@@ -87,20 +87,6 @@ async def test_a_gap_the_publisher_no_longer_buffers_marks_the_view_stale_until_
         pub.close()
 
 
-async def test_without_a_replay_socket_a_gap_is_lost():
-    stream = EventStream("replica-0", "tcp://127.0.0.1:1", None, view())
-    await stream.receive(0, encode(_root(50)[1]))
-    await stream.receive(2, encode(_root(52)[1]))
-    assert not stream.fresh and "no replay socket" in stream.stale_reason
-
-
-async def test_a_replay_socket_that_does_not_answer_loses_the_gap_after_the_timeout():
-    stream = EventStream("replica-0", "tcp://127.0.0.1:1", "tcp://127.0.0.1:9", view(), replay_timeout_s=0.2)
-    await stream.receive(0, encode(_root(60)[1]))
-    await stream.receive(3, encode(_root(63)[1]))
-    assert not stream.fresh and "did not answer" in stream.stale_reason
-
-
 async def test_a_sequence_that_goes_back_is_a_restarted_engine_and_clears_the_view():
     stream = EventStream("replica-0", "tcp://127.0.0.1:1", None, view())
     old, _ = _root(70)

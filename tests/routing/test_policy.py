@@ -12,7 +12,7 @@ from prefix_router.cache.blocks import BlockHash
 from prefix_router.config import RoutingConfig
 from prefix_router.cache.shadow import ShadowIndex
 from prefix_router.routing.prefix_stats import BranchStats
-from prefix_router.routing.bounds import in_flight_regime, load_bound, within_bound
+from prefix_router.routing.bounds import load_bound
 from prefix_router.routing.bounds import ReplicaView
 from prefix_router.routing.decision import Route
 from prefix_router.routing.policy import PrefixAffinityPolicy
@@ -91,56 +91,6 @@ def test_prompts_sharing_the_key_blocks_share_a_replica_and_the_rest_does_not_ma
         a = select(policy, head + fresh(5), views)
         b = select(policy, head + fresh(9), views)
         assert a.key == b.key and a.replica == b.replica
-
-
-# --- the load bound ------------------------------------------------------------------------
-
-# (case, loads before the request, load_factor, load_slack, the bound, which replicas fit).
-# The arithmetic: mean = (sum of loads + 1) / replicas, the + 1 being the new request;
-# bound = ceil(max(load_factor x mean, mean + load_slack)); a replica fits when load + 1 <= bound.
-BOUND_CASES = [
-    ("an idle fleet lets every replica take one request",
-     # mean 1 / 4 = 0.25: ceil(max(0.3125, 0.25)) = 1, and 0 + 1 <= 1
-     [0, 0, 0, 0], 1.25, 0, 1, [True, True, True, True]),
-    ("without slack one busy replica in an idle fleet takes no second request",
-     # mean 2 / 4 = 0.5: ceil(max(0.625, 0.5)) = 1, and 1 + 1 > 1
-     [1, 0, 0, 0], 1.25, 0, 1, [False, True, True, True]),
-    ("with a slack of one it takes a second but not a third",
-     # mean 0.5: ceil(max(0.625, 1.5)) = 2, and 1 + 1 <= 2; then mean 0.75: ceil(1.75) = 2, 2 + 1 > 2
-     [1, 0, 0, 0], 1.25, 1, 2, [True, True, True, True]),
-    ("a second request is one too many once the busy replica holds two",
-     [2, 0, 0, 0], 1.25, 1, 2, [False, True, True, True]),
-    ("an even fleet of one each takes a second request anywhere",
-     # mean 5 / 4 = 1.25: ceil(max(1.5625, 1.25)) = 2, and 1 + 1 <= 2
-     [1, 1, 1, 1], 1.25, 0, 2, [True, True, True, True]),
-    ("a replica a quarter over the mean of a deep fleet still fits",
-     # mean 34 / 4 = 8.5: ceil(max(10.625, 9.5)) = 11; 10 + 1 <= 11, 11 + 1 > 11
-     [10, 11, 6, 6], 1.25, 1, 11, [True, False, True, True]),
-    ("in a deep fleet the factor, not the slack, sets the bound",
-     # mean 81 / 4 = 20.25: ceil(max(25.3125, 21.25)) = 26
-     [25, 26, 15, 14], 1.25, 1, 26, [True, False, True, True]),
-    ("a load factor of 1 without slack is a strict spread",
-     # mean 9 / 4 = 2.25: ceil(2.25) = 3: 2 + 1 <= 3, 3 + 1 > 3
-     [3, 2, 2, 1], 1.0, 0, 3, [False, True, True, True]),
-    ("a looser factor keeps more on a hot replica",
-     # mean 2.25: ceil(max(4.5, 2.25)) = 5: 4 + 1 <= 5
-     [4, 2, 1, 1], 2.0, 0, 5, [True, True, True, True]),
-    ("an exact product is not rounded past itself",
-     # mean 8 / 2 = 4: ceil(1.25 x 4) = ceil(5.0) = 5, not 6 from float noise: 4 + 1 <= 5, 5 + 1 > 5
-     [4, 3], 1.25, 0, 5, [True, True]),
-]
-
-
-@pytest.mark.parametrize("case,loads,factor,slack,bound,fits", BOUND_CASES, ids=[c[0] for c in BOUND_CASES])
-def test_the_load_bound(case, loads, factor, slack, bound, fits):
-    assert load_bound(sum(loads), len(loads), factor, slack) == bound
-    assert [within_bound(load, bound) for load in loads] == fits
-
-
-@pytest.mark.parametrize("loads", [[0], [5, 0], [3, 3, 3, 2], [9, 1, 0, 7], [40, 41, 39, 2, 0, 0, 1, 80]])
-def test_the_least_loaded_replica_always_fits(loads):
-    bound = load_bound(sum(loads), len(loads), 1.0, 0)
-    assert within_bound(min(loads), bound)
 
 
 def _owner_and_views(config, owner_load, other_load):
@@ -558,20 +508,6 @@ def test_a_replica_holding_the_history_but_over_its_share_loses_to_the_owner(hot
         assert d.replica == holder and d.route is Route.STICKY
     else:
         assert d.replica == owner and d.route is Route.SPILL and d.spilled_from == holder
-
-
-REGIME_CASES = [
-    # (load_factor - 1) x (total + 1) / replicas >= slack
-    ("three a replica with the defaults is still all slack", 11, 4, 1.25, 1, False),  # 0.25 x 3 < 1
-    ("four a replica with the defaults is past it", 15, 4, 1.25, 1, True),  # 0.25 x 4 >= 1
-    ("no slack: always in flight", 0, 4, 1.25, 0, True),  # 0 >= 0
-    ("a factor of 1 with slack: never", 1000, 4, 1.0, 1, False),  # 0 < 1
-]
-
-
-@pytest.mark.parametrize("case,total,replicas,factor,slack,expected", REGIME_CASES, ids=[c[0] for c in REGIME_CASES])
-def test_when_the_in_flight_bound_is_more_than_its_slack(case, total, replicas, factor, slack, expected):
-    assert in_flight_regime(total, replicas, factor, slack) is expected
 
 
 @pytest.mark.parametrize("case, hot, load, keeps", [
