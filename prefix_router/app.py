@@ -171,7 +171,8 @@ async def _lifecycle(app: web.Application):
     models_s = config.scrape.models_interval_s
     tasks = [asyncio.create_task(poll_health(gw.http, gw.replicas, config.health, models_s)),
              asyncio.create_task(poll_metrics(gw.http, gw.replicas, config.scrape.interval_s, models_s,
-                                              config.scrape.idle_interval_s if config.routing.sole_router else 0.0)),
+                                              # a worker of several is not the only router
+                                              config.scrape.idle_interval_s if gw.routing.sole_router else 0.0)),
              asyncio.create_task(_sync_loop(gw, min(config.scrape.interval_s, config.health.interval_s) / 2))]
     if config.discovery.dns:
         tasks.append(asyncio.create_task(poll_dns(gw, config.discovery)))

@@ -81,8 +81,8 @@ class Gateway:
         self.branches = BranchStats(config.routing.branch_threshold, config.index.max_branch_blocks)
         self.demand = PrefixDemand(config.routing.share_half_life_s, config.index.max_branch_blocks)
         # each worker process is an instance of its own, with its own picture
-        routing = replace(config.routing, sole_router=False) if config.workers > 1 else config.routing
-        self.policy = make_policy(routing, self.ring, self.branches, self.demand)
+        self.routing = replace(config.routing, sole_router=False) if config.workers > 1 else config.routing
+        self.policy = make_policy(self.routing, self.ring, self.branches, self.demand)
         self.conversations = Conversations(config.index.max_conversations)
         self.response_homes = ResponseHomes(config.index.max_responses, config.index.response_history_mb * 1_000_000)
         # the fleet's picture in one map each, so a prompt is matched in one walk (cache/holders.py):

@@ -52,7 +52,7 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
     if isinstance(window, array) and window.typecode == "q":
         data = window.tobytes()
     else:
-        data = struct.pack(f"<{len(window)}q", *window)
+        data = struct.pack(f"={len(window)}q", *window)  # native order, as ``array.tobytes``
     width = block_size * 8
     digest = xxhash.xxh3_64_intdigest
     for offset in range(0, len(data), width):

@@ -19,9 +19,8 @@ Memory: one dict entry a distinct block held anywhere, its value an int of one b
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from functools import partial
-from itertools import islice, takewhile
-from operator import attrgetter, eq
+from itertools import groupby
+from operator import attrgetter
 from typing import Protocol
 
 from prefix_router.cache.blocks import BlockHash
@@ -132,25 +131,21 @@ class Holders:
         and increasing. One pass over the prompt, ending at the first block no remaining slot
         holds.
 
-        The blocks' masks are read in one ``map`` and a run of equal masks (a prefix held by
-        the same replicas, the common case: a shared system prompt, then one conversation's
-        history) is stepped over by ``takewhile`` in C: within a run no slot drops out, so only
-        where the mask changes does Python look at the bits."""
-        values = list(map(self._bits.get, hashes))
+        The blocks' masks are read by ``map`` and a run of equal masks (a prefix held by the same
+        replicas, the common case: a shared system prompt, then one conversation's history) is
+        stepped over by ``groupby`` in C: within a run no slot drops out, so only where the mask
+        changes does Python look at the bits."""
         out: list[tuple[int, int]] = []
         alive = mask
-        depth, n = 0, len(values)
-        while depth < n:
-            value = values[depth]
+        depth = 0
+        for value, run in groupby(map(self._bits.get, hashes)):  # a block nobody holds: None
             held = alive & value if value is not None else 0
             if depth and alive != held:
                 out.append((alive ^ held, depth))
             alive = held
             if not alive:
                 return out
-            # the run of blocks held by exactly this mask: nothing drops out within it (``eq``, as
-            # ``int.__eq__`` answers NotImplemented, which is true, to a block nobody holds)
-            depth += 1 + len(list(takewhile(partial(eq, value), islice(values, depth + 1, None))))
+            depth += len(list(run))  # within a run of equal masks nobody drops out
         if depth:
             out.append((alive, depth))
         return out

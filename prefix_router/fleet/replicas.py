@@ -228,12 +228,17 @@ async def spread(replicas: list[ReplicaState], interval_s: float, probe: Callabl
     loop = asyncio.get_running_loop()
     started = loop.time()
     tasks = []
-    for k in range(slices):
-        delay = started + k * interval_s / slices - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks += [asyncio.ensure_future(probe(r)) for r in replicas[k::slices]]
-    results = await asyncio.gather(*tasks)
+    try:
+        for k in range(slices):
+            delay = started + k * interval_s / slices - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks += [asyncio.ensure_future(probe(r)) for r in replicas[k::slices]]
+        results = await asyncio.gather(*tasks)
+    except BaseException:  # cancelled (the gateway stops): no probe outlives the round
+        for task in tasks:
+            task.cancel()
+        raise
     order = [r for k in range(slices) for r in replicas[k::slices]]
     by_replica = dict(zip(map(id, order), results))
     return [by_replica[id(r)] for r in replicas]
@@ -241,11 +246,11 @@ async def spread(replicas: list[ReplicaState], interval_s: float, probe: Callabl
 
 async def check_all(http: aiohttp.ClientSession, replicas: list[ReplicaState], config: HealthConfig,
                     interval_s: float = 0.0) -> None:
-    """One health check of each of ``replicas``, spread over ``interval_s`` (0: at once),
-    applied (``apply_health``)."""
-    results = await spread(replicas, interval_s, lambda r: check_once(http, r, config.timeout_s))
-    for replica, ok in zip(replicas, results):
-        apply_health(replica, ok, config)
+    """One health check of each of ``replicas``, spread over ``interval_s`` (0: at once), each
+    applied (``apply_health``) as it answers: a failure counts at once, not at the round's end."""
+    async def probe(replica: ReplicaState) -> None:
+        apply_health(replica, await check_once(http, replica, config.timeout_s), config)
+    await spread(replicas, interval_s, probe)
 
 
 async def poll_health(http: aiohttp.ClientSession, replicas: Mapping[str, ReplicaState], config: HealthConfig,
@@ -286,13 +291,15 @@ async def scrape_once(http: aiohttp.ClientSession, replica: ReplicaState, timeou
 
 
 async def read_models(http: aiohttp.ClientSession, replica: ReplicaState, timeout_s: float) -> None:
-    """One replica's ``/v1/models`` ids into ``replica.models`` (unchanged when it fails)."""
-    replica.models_read_at = time.monotonic()
+    """One replica's ``/v1/models`` ids into ``replica.models`` (unchanged when it fails, and
+    asked again at the next scrape)."""
     try:
         async with http.get(replica.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             models = [m["id"] for m in (await resp.json()).get("data", [])] if resp.status == 200 else None
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError, AttributeError):
         models = None
+    if models is not None:
+        replica.models_read_at = time.monotonic()
     if models is not None and models != replica.models:
         if replica.models:
             log.info("replica %s now serves %s (was %s)", replica.name, ", ".join(models) or "nothing",

@@ -107,7 +107,7 @@ class PrefixAffinityPolicy:
         fitting = bounds.fitting(order, replicas, owner)
         if not fitting:  # the share bound turned away everyone within the in-flight bound
             fitting = [r for r in order if within_bound(replicas[r].load, bounds.load)]
-        best = max(matches.values())
+        best = max(map(matches.__getitem__, order))  # the ring's replicas: a routable one off it still
         top = preferred if matches[preferred] == best else next(r for r in order if matches[r] == best)
         decide = partial(Decision, best_blocks=best, best_replica=top, key_depth=depth, key=key,
                          matches=matches)

@@ -222,3 +222,44 @@ async def test_a_replica_idle_at_its_last_scrape_waits_the_idle_interval_and_a_b
         await asyncio.sleep(0.4)
         task.cancel()
     assert scrapes["idle"] == 0 and scrapes["busy"] >= 3, scrapes
+
+
+async def test_a_round_cancelled_midway_leaves_no_probe_running():
+    import asyncio
+
+    from prefix_router.fleet.replicas import spread
+
+    replicas = [ReplicaState(ReplicaConfig(url=f"http://r{i}:8000"), f"r{i}:8000") for i in range(20)]
+    running: set[str] = set()
+
+    async def probe(replica: ReplicaState) -> None:
+        running.add(replica.name)
+        try:
+            await asyncio.sleep(10)
+        finally:
+            running.discard(replica.name)
+
+    task = asyncio.create_task(spread(replicas, 1.0, probe))
+    await asyncio.sleep(0.25)  # a few groups started, the rest not yet
+    assert 0 < len(running) < len(replicas)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert not running
+
+
+async def test_a_failed_health_check_counts_as_it_answers_not_at_the_end_of_the_round():
+    import asyncio
+
+    import aiohttp
+
+    from prefix_router.fleet.replicas import check_all
+
+    # nothing listens on port 1: every check fails at once; 20 replicas spread over 1 s
+    replicas = [ReplicaState(ReplicaConfig(url=f"http://127.0.0.1:1/r{i}"), f"r{i}") for i in range(20)]
+    async with aiohttp.ClientSession() as http:
+        task = asyncio.create_task(check_all(http, replicas, HEALTH, interval_s=1.0))
+        await asyncio.sleep(0.3)
+        assert replicas[0].failures == 1 and replicas[-1].failures == 0  # the first group's, counted already
+        await task
+    assert all(r.failures == 1 for r in replicas)

@@ -810,3 +810,16 @@ def test_one_of_several_instances_without_events_leaves_a_prefix_to_replicate_to
     for name in order[:3]:
         views[name].shadow.insert(prefix)
     assert select(policy, prompt, views).replica == order[0]
+
+
+def test_a_routable_replica_the_ring_does_not_list_yet_is_no_crash_and_not_chosen():
+    """The ring follows the fleet every half scrape interval (``Gateway.sync_ring``), the
+    routable set at every request: a replica whose breaker just turned half-open can be routable
+    and off the ring, holding the most of the prompt."""
+    policy, ring, _, views = setup(RING_ONLY)
+    off = NAMES[-1]
+    ring.remove(off)
+    hashes = fresh(6)
+    views[off].shadow.insert(hashes)
+    d = select(policy, hashes, views)
+    assert d.replica != off and d.replica in ring and d.best_replica != off
