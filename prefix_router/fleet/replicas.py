@@ -339,14 +339,23 @@ async def poll_metrics(http: aiohttp.ClientSession, replicas: Mapping[str, Repli
     over the interval (``spread``; the mapping is read anew each round), starting one interval
     from now: the gateway scraped them all as it started. A replica ``idle`` at its last scrape
     is scraped every ``idle_interval_s`` only (the caller passes ``interval_s`` or less where
-    other routers may load it)."""
+    other routers may load it); its ``/v1/models`` is still read every ``models_interval_s``."""
     loop = asyncio.get_running_loop()
+    timeout_s = max(interval_s, 1.0)
+
+    async def probe(replica: ReplicaState) -> None:
+        if not replica.idle or time.monotonic() - replica.scraped_at >= idle_interval_s:
+            await scrape_once(http, replica, timeout_s, models_interval_s)
+        else:  # an idle replica between its scrapes: its model list keeps its own interval
+            await read_models(http, replica, timeout_s)
+
     await asyncio.sleep(interval_s)
     while True:
         started = loop.time()
         now = time.monotonic()
-        due = [r for r in replicas.values() if not r.idle or now - r.scraped_at >= idle_interval_s]
-        await spread(due, interval_s, lambda r: scrape_once(http, r, max(interval_s, 1.0), models_interval_s))
+        due = [r for r in replicas.values() if not r.idle or now - r.scraped_at >= idle_interval_s
+               or now - r.models_read_at >= models_interval_s]
+        await spread(due, interval_s, probe)
         await asyncio.sleep(max(0.0, started + interval_s - loop.time()))
 
 

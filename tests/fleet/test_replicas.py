@@ -194,6 +194,7 @@ async def test_a_replica_idle_at_its_last_scrape_waits_the_idle_interval_and_a_b
     from prefix_router.fleet.replicas import poll_metrics
 
     scrapes = {"idle": 0, "busy": 0}
+    model_reads = {"idle": 0, "busy": 0}
 
     def replica_app(name: str) -> web.Application:
         async def metrics(request):
@@ -201,6 +202,7 @@ async def test_a_replica_idle_at_its_last_scrape_waits_the_idle_interval_and_a_b
             return web.Response(text=page(1))
 
         async def models(request):
+            model_reads[name] += 1
             return web.json_response({"data": [{"id": "m"}]})
 
         app = web.Application()
@@ -218,10 +220,11 @@ async def test_a_replica_idle_at_its_last_scrape_waits_the_idle_interval_and_a_b
     replicas["busy"].inflight = 1  # a request of this gateway's on it
     assert replicas["idle"].idle and not replicas["busy"].idle
     async with aiohttp.ClientSession() as http:
-        task = asyncio.create_task(poll_metrics(http, replicas, 0.05, idle_interval_s=3600.0))
+        task = asyncio.create_task(poll_metrics(http, replicas, 0.05, models_interval_s=0.1, idle_interval_s=3600.0))
         await asyncio.sleep(0.4)
         task.cancel()
     assert scrapes["idle"] == 0 and scrapes["busy"] >= 3, scrapes
+    assert model_reads["idle"] >= 2, model_reads  # an adapter unloaded from an idle replica is still seen
 
 
 async def test_a_round_cancelled_midway_leaves_no_probe_running():

@@ -124,7 +124,8 @@ def _gateway(urls: list[str], tmp_path: Path):
         urllib.request.urlopen(urllib.request.Request(url + "/reset_prefix_cache", method="POST"), timeout=60)
     log = tmp_path / "requests.jsonl"
     config = tmp_path / "gateway.yaml"
-    config.write_text("health: {timeout_s: 10.0, unhealthy_after: 3}\n")
+    # the model lists read every second (10 s by default), so an unloaded adapter is seen gone soon
+    config.write_text("health: {timeout_s: 10.0, unhealthy_after: 3}\nscrape: {models_interval_s: 1.0}\n")
     spec = launch.gateway_server(tmp_path, urls, ["--config", str(config), "--tokenizer", str(tiny_model()),
                                                   "--request-log", str(log)])
     lines: list[dict] = []
@@ -238,7 +239,7 @@ def test_a_lora_adapter_loaded_on_one_replica_is_routed_there_with_a_cache_of_it
         base = {**chat, "model": "tiny", "messages": [*chat["messages"], {"role": "user", "content": _words(0)}]}
         _post(url + "/v1/chat/completions", base)  # the same prompt on the base model
         _operator(target, "/v1/unload_lora_adapter", {"lora_name": "tiny-lora"})
-        time.sleep(2.5)  # a scrape (every second) sees it gone
+        time.sleep(2.5)  # the next read of the model lists (every second here) sees it gone
         request = urllib.request.Request(url + "/v1/chat/completions", json.dumps({**body, "model": "tiny-lora"}).encode(),
                                          {"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as gone:
