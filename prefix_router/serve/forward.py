@@ -22,6 +22,7 @@ taken back when the attempt ends, whatever the way.
 from __future__ import annotations
 
 import asyncio
+import math
 import dataclasses
 import logging
 import time
@@ -130,6 +131,8 @@ async def _attempt(request: web.Request, gw: Gateway, inbound: Inbound, info: Pr
             gw.metrics.requests.labels(replica.name, route.value, "0").inc()
             return f"replica {replica.name}: {type(exc).__name__}"
         slot.relayed(relayed.status)
+        if relayed.status == 404:  # perhaps a model it no longer serves (an adapter unloaded):
+            replica.models_read_at = -math.inf  # its list is read again at the next round
         if slot.ok:
             for earlier in answered_5xx:
                 breaker_record(gw, earlier, False)

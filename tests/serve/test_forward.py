@@ -348,3 +348,13 @@ async def test_a_4xx_is_the_replicas_answer_relayed_as_it_is_and_not_retried(for
     assert resp.status == 400 and resp.headers[REPLICA_HEADER] == name
     assert other.requests == 0 and harness.outcomes[0].route is Route.AFFINITY
     assert gw.replicas[name].breaker.failures == 0  # it answered: the replica works
+
+
+async def test_a_404_has_the_replicas_model_list_read_again_at_the_next_round(forwarding):
+    """vLLM answers 404 for a model it does not serve: an adapter unloaded since the last read of
+    its ``/v1/models`` (every ``scrape.models_interval_s``) is then seen gone within a round."""
+    client, gw, _, (name, _) = await forwarding([Replica(404), Replica()])
+    gw.replicas[name].models_read_at = time.monotonic()
+    resp = await client.post(CHAT, json=body())
+    assert resp.status == 404 and resp.headers[REPLICA_HEADER] == name
+    assert gw.replicas[name].models_read_at == float("-inf")
