@@ -11,14 +11,14 @@ it on every recovery would send its conversations elsewhere and call its hits un
 
 Load: ``GET /metrics`` every ``scrape.interval_s`` reads ``vllm:num_requests_waiting`` and
 ``vllm:num_requests_running``; a replica idle at its last scrape is scraped every
-``scrape.idle_interval_s`` only where this gateway is the only router, and every round of probes
-is spread over its interval (``spread``). The routing bound compares ``routing_load``: this gateway's
-requests in flight, counted the moment each is sent, plus what the engine reported beyond them
-at the last scrape (other gateway instances). Admission compares ``load``: the engine's queue
-plus requests sent since the scrape and still in flight (``sent_since_scrape``), so a burst is
-seen at once and finished requests do not linger as load. ``vllm:cache_config_info``
-gives ``block_size`` and ``num_gpu_blocks`` (the shadow index's capacity, applied by
-``Gateway.sync_ring``).
+``scrape.idle_interval_s`` only where this gateway is the only router, and every round of
+probes is spread over its interval (``spread``). The routing bound compares ``routing_load``:
+this gateway's requests in flight, counted the moment each is sent, plus what the engine
+reported beyond them at the last scrape (other gateway instances). Admission compares ``load``:
+the engine's queue plus requests sent since the scrape and still in flight
+(``sent_since_scrape``), so a burst is seen at once and finished requests do not linger as
+load. ``vllm:cache_config_info`` gives ``block_size`` and ``num_gpu_blocks`` (the shadow
+index's capacity, applied by ``Gateway.sync_ring``).
 """
 
 from __future__ import annotations
@@ -115,8 +115,9 @@ class ReplicaState:
 
     @property
     def idle(self) -> bool:
-        """Nothing running or queued at the last scrape and nothing sent since, on the ring:
-        where this gateway is the only router, nothing has loaded it since (``poll_metrics``)."""
+        """Healthy, past its restart check, nothing running or queued at the last scrape and
+        nothing sent since: where this gateway is the only router, nothing has loaded it since
+        (``poll_metrics``)."""
         return (self.inflight == 0 and self.sent_since_scrape == 0 and self.waiting == 0 and self.running == 0
                 and self.healthy and not self.recovering)
 
