@@ -5,7 +5,7 @@ shared 32k-token prompt in front of 256 replicas is half a million lookups a req
 gateway (one radix tree whose nodes carry the workers holding them), NVIDIA Dynamo's KV router
 and llm-d's KV-block index keep one index for the fleet instead. ``Holders`` is that index for
 this gateway's chained block hashes: each replica's index (``ShadowIndex``, ``EngineView``)
-reports a block when it starts or stops holding it, and ``depths`` walks a prompt's blocks once,
+reports a block when it starts or stops holding it, and ``drops`` walks a prompt's blocks once,
 with one bit a replica, stopping at the first block no candidate holds. Chained hashes make a
 held block's prefix held too, so a replica's depth is where its bit first drops out.
 
@@ -47,8 +47,9 @@ def match_all(hashes: Sequence[BlockHash], indexes: Mapping[str, Index], cap: in
     out = dict.fromkeys(indexes, 0)
     head = hashes[:cap] if cap < len(hashes) else hashes
     maps = list(map(_HOLDERS, indexes.values()))
-    for holders in set(maps):
-        if len(maps) == 1 or maps.count(holders) == len(maps):
+    distinct = set(maps)
+    for holders in distinct:
+        if len(distinct) == 1:
             group = indexes
         else:
             group = {name: index for (name, index), h in zip(indexes.items(), maps) if h is holders}
@@ -109,21 +110,6 @@ class Holders:
             bits[h] = held
         else:
             del bits[h]
-
-    def holds(self, h: BlockHash, bit: int) -> bool:
-        return bool(self._bits.get(h, 0) & bit)
-
-    def depths(self, hashes: Sequence[BlockHash], mask: int) -> dict[int, int]:
-        """For each slot in ``mask`` holding the prompt's first block, the leading blocks of
-        ``hashes`` it holds, by bit; slots holding none of it are left out (``drops``, a bit at
-        a time)."""
-        out: dict[int, int] = {}
-        for bits, depth in self.drops(hashes, mask):
-            while bits:
-                low = bits & -bits
-                out[low] = depth
-                bits ^= low
-        return out
 
     def drops(self, hashes: Sequence[BlockHash], mask: int) -> list[tuple[int, int]]:
         """Where the slots of ``mask`` stop holding the prompt: ``(slots, depth)`` pairs, the
