@@ -23,6 +23,7 @@ import aiohttp
 
 from prefix_router.fleet.admission import Admission
 from prefix_router.cache.holders import Holders
+from prefix_router.cache.tree import BlockTree
 from prefix_router.cache.shadow import ShadowIndex
 from prefix_router.fleet.breaker import CircuitBreaker
 from prefix_router.misses.diagnosis import Change
@@ -85,9 +86,10 @@ class Gateway:
         self.policy = make_policy(self.routing, self.ring, self.branches, self.demand)
         self.conversations = Conversations(config.index.max_conversations)
         self.response_homes = ResponseHomes(config.index.max_responses, config.index.response_history_mb * 1_000_000)
-        # the fleet's picture in one map each, so a prompt is matched in one walk (cache/holders.py):
-        # the shadow indexes' guesses, and the engines' views built from KV events
-        self.shadow_holders, self.engine_holders = Holders(), Holders()
+        # the fleet's picture in one structure each, so a prompt is matched in one walk: the shadow
+        # indexes' guesses in one tree (cache/tree.py), the engines' views built from KV events in
+        # one map (cache/holders.py)
+        self.shadow_holders, self.engine_holders = BlockTree(), Holders()
         self.replicas: dict[str, ReplicaState] = {}
         for rc in config.replicas:
             self.add_replica(rc)

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-from bench.commands.choice import main, measure_memory, time_choice
+from bench.commands.choice import INDEXES, main, measure_memory, time_choice
 
 
-def test_a_cell_times_the_choice_either_way():
-    for fleet_map in (False, True):
-        cell = time_choice(replicas=8, blocks=32, own=4, reps=5, fleet_map=fleet_map)
-        assert cell["replicas"] == 8 and cell["blocks"] == 32 and cell["fleet_map"] is fleet_map
+def test_a_cell_times_the_choice_with_each_kind_of_index():
+    for kind in INDEXES:
+        cell = time_choice(replicas=8, blocks=32, own=4, reps=5, kind=kind)
+        assert cell["replicas"] == 8 and cell["blocks"] == 32 and cell["kind"] == kind
         assert 0 < cell["median_us"] <= cell["p90_us"]
 
 
 def test_memory_counts_every_block_each_replica_holds():
-    """Half the blocks are one prompt every replica holds; each index still stores its own copy."""
-    for kind in ("shadow", "engine"):
-        alone, mapped = (measure_memory(replicas=3, blocks=64, kind=kind, fleet_map=f) for f in (False, True))
-        assert alone["entries"] == mapped["entries"] == 3 * 64
-        assert 0 < alone["bytes"] < mapped["bytes"]  # the map is counted
+    """Half the blocks are one prompt every replica holds: the per-block indexes store it once per
+    replica, the tree once."""
+    memory = {kind: measure_memory(replicas=8, blocks=256, kind=kind, fleet_map=True) for kind in INDEXES}
+    memory["engine"] = measure_memory(replicas=8, blocks=256, kind="engine", fleet_map=True)
+    assert all(m["entries"] == 8 * 256 for m in memory.values())
+    assert 0 < memory["per-block"]["bytes"] < memory["per-block+map"]["bytes"]  # the map is counted
+    assert memory["tree"]["bytes"] < memory["per-block"]["bytes"] / 4
 
 
 def test_the_command_writes_its_results_folder(tmp_path):

@@ -35,6 +35,7 @@ from prefix_router.cache.engine_view import EngineView
 from prefix_router.cache.events import BlockStored
 from prefix_router.cache.holders import Holders
 from prefix_router.cache.shadow import ShadowIndex
+from prefix_router.cache.tree import BlockTree
 from prefix_router.config import RoutingConfig
 from prefix_router.routing.bounds import ReplicaView
 from prefix_router.routing.policy import PrefixAffinityPolicy
@@ -42,6 +43,7 @@ from prefix_router.routing.prefix_stats import BranchStats
 from prefix_router.routing.ring import Ring
 
 from .. import RESULTS
+from ..per_block import PerBlockIndex
 from ..report import command_line, write_results
 
 BLOCK_SIZE = 16  # vLLM's default on CUDA
@@ -57,11 +59,28 @@ def _chain(rng: random.Random, n: int) -> list[BlockHash]:
     return [BlockHash(rng.getrandbits(63)) for _ in range(n)]
 
 
-def time_choice(replicas: int, blocks: int, own: int, reps: int, fleet_map: bool = True, seed: int = 0) -> dict:
+# the indexes compared: a dictionary entry a block per replica, each walked on its own (as when
+# issue 41 was filed); the same reporting into one ``Holders`` map, matched in one walk (before
+# the tree); the gateway's ``ShadowIndex`` in one ``BlockTree``
+INDEXES = {"per-block": "per-block LRU sets, each walked", "per-block+map": "per-block sets and the fleet map",
+           "tree": "one tree (ShadowIndex)"}
+
+
+def _index(kind: str, capacity: int, shared):
+    """A factory of one replica's index of ``kind``, all of them sharing ``shared`` (a map or a tree)."""
+    if kind == "tree":
+        return ShadowIndex(capacity, shared)
+    return PerBlockIndex(capacity, shared if kind == "per-block+map" else None)
+
+
+def _shared(kind: str):
+    return BlockTree() if kind == "tree" else Holders() if kind == "per-block+map" else None
+
+
+def time_choice(replicas: int, blocks: int, own: int, reps: int, kind: str = "tree", seed: int = 0) -> dict:
     """Median and p90 microseconds of ``select`` for ``replicas`` replicas that all hold one
-    ``blocks``-block prompt, each request that prompt plus ``own`` blocks of its own.
-    ``fleet_map``: the indexes report into one ``Holders`` map, as in the gateway, and the prompt
-    is matched in one walk; else each replica's index is walked on its own."""
+    ``blocks``-block prompt, each request that prompt plus ``own`` blocks of its own, with the
+    replicas' indexes of ``kind`` (``INDEXES``)."""
     rng = random.Random(seed)
     config = RoutingConfig()
     ring = Ring(config.virtual_nodes)
@@ -70,9 +89,9 @@ def time_choice(replicas: int, blocks: int, own: int, reps: int, fleet_map: bool
         ring.add(name)
     shared = _chain(rng, blocks)
     views = {}
-    holders = Holders() if fleet_map else None
+    shared_map = _shared(kind)
     for name in names:
-        index = ShadowIndex(max(CAPACITY, blocks + own), holders)
+        index = _index(kind, max(CAPACITY, blocks + own), shared_map)
         index.insert(shared)
         views[name] = ReplicaView(name, rng.randrange(3), index, recent=rng.random())
     policy = PrefixAffinityPolicy(config, ring, BranchStats(threshold=config.branch_threshold))
@@ -87,7 +106,7 @@ def time_choice(replicas: int, blocks: int, own: int, reps: int, fleet_map: bool
     finally:
         gc.enable()
     times.sort()
-    return {"replicas": replicas, "blocks": blocks, "own": own, "reps": reps, "fleet_map": fleet_map,
+    return {"replicas": replicas, "blocks": blocks, "own": own, "reps": reps, "kind": kind,
             "median_us": statistics.median(times), "p90_us": times[int(0.9 * (len(times) - 1))]}
 
 
@@ -99,9 +118,9 @@ def _stored(rng: random.Random, tokens: list[int], parent: int | None) -> BlockS
 
 
 def measure_memory(replicas: int, blocks: int, kind: str, fleet_map: bool = True, seed: int = 0) -> dict:
-    """Bytes allocated building ``replicas`` indexes of ``kind`` (``shadow`` or ``engine``), each
+    """Bytes allocated building ``replicas`` indexes of ``kind`` (``INDEXES``, or ``engine``), each
     of ``blocks`` blocks, the first half one prompt every replica holds, the rest its own;
-    ``fleet_map``: with the one ``Holders`` map they report into, as in the gateway."""
+    ``fleet_map`` (``engine`` only): with the one ``Holders`` map they report into, as in the gateway."""
     rng = random.Random(seed)
     half = blocks // 2
     shared_tokens = [rng.randrange(1 << 17) for _ in range(half * BLOCK_SIZE)]
@@ -111,11 +130,11 @@ def measure_memory(replicas: int, blocks: int, kind: str, fleet_map: bool = True
     tracemalloc.start()
     started = time.perf_counter()
     indexes = []
-    holders = Holders() if fleet_map else None
+    holders = (Holders() if fleet_map else None) if kind == "engine" else _shared(kind)
     for _ in range(replicas):
         own_tokens = [rng.randrange(1 << 17) for _ in range((blocks - half) * BLOCK_SIZE)]
-        if kind == "shadow":
-            index = ShadowIndex(blocks, holders)
+        if kind != "engine":
+            index = _index(kind, blocks, holders)
             index.insert(shared + block_hashes(own_tokens, BLOCK_SIZE, shared[-1]))
         else:
             index = EngineView(BLOCK_SIZE, lambda lora, salt: seed_of, max_blocks=2 * blocks, holders=holders)
@@ -143,27 +162,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-blocks", type=int, default=CAPACITY, help="blocks each replica holds there")
     ap.add_argument("--out", type=Path, default=RESULTS / "choice")
     args = ap.parse_args(argv)
-    cells = [time_choice(r, b, args.own, args.reps, fleet_map)
-             for r in args.replicas for b in args.blocks for fleet_map in (False, True)]
+    cells = [time_choice(r, b, args.own, args.reps, kind)
+             for r in args.replicas for b in args.blocks for kind in INDEXES]
     lines = ["`PrefixAffinityPolicy.select` in process, every replica holding one shared prompt of the "
              f"given blocks, each request {args.own} blocks of its own after it; median (p90) of {args.reps} "
-             "choices, microseconds, each replica's index walked on its own against one walk of the fleet's "
-             "map (`cache/holders.py`), alternating in one run (`bench/commands/choice.py`).", "",
-             "| replicas | " + " | ".join(f"{b:,} blocks: per replica | fleet map" for b in args.blocks) + " |",
-             "|---|" + "---|---|" * len(args.blocks)]
+             "choices, microseconds, in one run (`bench/commands/choice.py`), the replicas' indexes: "
+             + "; ".join(f"{name}: `{kind}`" for kind, name in INDEXES.items())
+             + " (`bench/per_block.py` keeps the per-block index as the baseline).", "",
+             "| replicas | " + " | ".join(f"{b:,} blocks: {kind}" for b in args.blocks for kind in INDEXES) + " |",
+             "|---|" + "---|" * len(INDEXES) * len(args.blocks)]
     for r in args.replicas:
         row = [c for c in cells if c["replicas"] == r]
         lines.append(f"| {r} | " + " | ".join(f"{c['median_us']:,.0f} ({c['p90_us']:,.0f})" for c in row) + " |")
     memory = []
     if args.memory_replicas:
         memory = [measure_memory(args.memory_replicas, args.memory_blocks, kind, fleet_map)
-                  for kind in ("shadow", "engine") for fleet_map in (False, True)]
+                  for kind, fleet_map in (("per-block", False), ("per-block+map", True), ("tree", True),
+                                          ("engine", False), ("engine", True))]
         lines += ["", f"Memory of the indexes, {args.memory_replicas} replicas x {args.memory_blocks:,} blocks "
                   "(half one prompt every replica holds), as `tracemalloc` sees it while they are built:", "",
                   "| index | entries | MiB | bytes an entry | built in |", "|---|---|---|---|---|"]
         for m in memory:
-            name = "ShadowIndex (the gateway's guess)" if m["kind"] == "shadow" else "EngineView (KV events)"
-            name += ", with the fleet map" if m["fleet_map"] else ""
+            if m["kind"] == "engine":
+                name = "EngineView (KV events)" + (", with the fleet map" if m["fleet_map"] else "")
+            else:
+                name = f"the gateway's guess: {INDEXES[m['kind']]}"
             lines.append(f"| {name} | {m['entries']:,} | {m['bytes'] / 2**20:,.0f} | {m['bytes_per_entry']:.0f} "
                          f"| {m['build_s']:.1f} s |")
     write_results(args.out, "The routing choice and the indexes as the fleet grows", command_line(__name__, argv),

@@ -22,7 +22,8 @@ from typing import NewType
 
 import xxhash
 
-__all__ = ["BlockHash", "seed_hash", "extend_block_hashes", "block_hashes", "text_block_hashes"]
+__all__ = ["BlockHash", "seed_hash", "extend_block_hashes", "block_hashes", "text_block_hashes", "packed_hashes",
+           "common_blocks"]
 
 BlockHash = NewType("BlockHash", int)
 
@@ -83,3 +84,37 @@ def block_hashes(token_ids: Sequence[int], block_size: int, seed: BlockHash) -> 
     out: list[BlockHash] = []
     extend_block_hashes(out, token_ids, block_size, seed)
     return out
+
+
+_last_packed: tuple[Sequence[int] | None, int, bytes] = (None, 0, b"")
+
+
+def packed_hashes(hashes: Sequence[BlockHash]) -> bytes:
+    """``hashes`` as 8 bytes each (native order): a run of blocks compared in C (``cache/tree.py``).
+    The last list's bytes are kept, with the list itself (so its identity cannot pass to another
+    list): one request's hashes are matched, inserted and touched by several calls."""
+    global _last_packed
+    last = _last_packed
+    if last[0] is hashes and last[1] == len(hashes):
+        return last[2]
+    packed = struct.pack(f"={len(hashes)}Q", *hashes)
+    _last_packed = (hashes, len(hashes), packed)
+    return packed
+
+
+def common_blocks(run: bytes, packed: bytes, pos: int, limit: int) -> int:
+    """How many leading blocks of ``run`` (packed hashes whose first block equals the prompt's
+    block ``pos``) equal the prompt's (``packed``) from block ``pos``, at most ``limit`` (>= 1):
+    one comparison of the whole run, else a binary search of ``startswith`` over its prefixes."""
+    start = pos << 3
+    view = memoryview(run)
+    if packed.startswith(view[: limit << 3], start):
+        return limit
+    lo, hi = 1, limit - 1  # block 0 is equal; block ``limit`` is not
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if packed.startswith(view[: mid << 3], start):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

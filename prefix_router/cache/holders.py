@@ -21,9 +21,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import groupby
 from operator import attrgetter
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prefix_router.cache.blocks import BlockHash
+
+if TYPE_CHECKING:
+    from prefix_router.cache.tree import BlockTree
 
 __all__ = ["Holders", "Index", "match_all"]
 
@@ -33,7 +36,7 @@ _HOLDERS, _BIT = attrgetter("holders"), attrgetter("bit")
 class Index(Protocol):
     """A replica's index as ``match_all`` reads it (``ShadowIndex``, ``EngineView``)."""
 
-    holders: Holders | None
+    holders: Holders | BlockTree | None
     bit: int
 
     def match(self, hashes: Sequence[BlockHash]) -> int: ...
@@ -45,7 +48,6 @@ def match_all(hashes: Sequence[BlockHash], indexes: Mapping[str, Index], cap: in
     gateway's guesses and the engines' views), an index's own ``match`` for any that does not.
     Apart from the walk, a pass over the indexes is a few ``map`` and ``zip`` calls in C."""
     out = dict.fromkeys(indexes, 0)
-    head = hashes[:cap] if cap < len(hashes) else hashes
     maps = list(map(_HOLDERS, indexes.values()))
     distinct = set(maps)
     for holders in distinct:
@@ -58,7 +60,7 @@ def match_all(hashes: Sequence[BlockHash], indexes: Mapping[str, Index], cap: in
                 out[name] = min(index.match(hashes), cap)
             continue
         names = dict(zip(map(_BIT, group.values()), group))
-        for bits, depth in holders.drops(head, sum(names)):
+        for bits, depth in holders.drops(hashes, sum(names), cap):
             if bits.bit_count() < 8:
                 while bits:
                     low = bits & -bits
@@ -111,7 +113,7 @@ class Holders:
         else:
             del bits[h]
 
-    def drops(self, hashes: Sequence[BlockHash], mask: int) -> list[tuple[int, int]]:
+    def drops(self, hashes: Sequence[BlockHash], mask: int, cap: int | None = None) -> list[tuple[int, int]]:
         """Where the slots of ``mask`` stop holding the prompt: ``(slots, depth)`` pairs, the
         slots (bits) that hold exactly the first ``depth`` blocks of ``hashes``, ``depth`` > 0
         and increasing. One pass over the prompt, ending at the first block no remaining slot
@@ -121,6 +123,8 @@ class Holders:
         replicas, the common case: a shared system prompt, then one conversation's history) is
         stepped over by ``groupby`` in C: within a run no slot drops out, so only where the mask
         changes does Python look at the bits."""
+        if cap is not None and cap < len(hashes):
+            hashes = hashes[:cap]
         out: list[tuple[int, int]] = []
         alive = mask
         depth = 0

@@ -205,7 +205,7 @@ class InFlight:
         r.prefill_blocks += self.prefill
         gw.metrics.inflight.labels(r.name).set(r.inflight)
         gw.admission.notify()  # this request's load is counted: the next waiter, if any, may go
-        self.added = r.shadow.insert(info.hashes)
+        self.added = r.shadow.insert(info.hashes)  # the leading blocks it held before
         self.view = r.stream.view if r.stream is not None and info.exact else None
         self.removals = self.view.note_routed(info.hashes) if self.view is not None else 0
         return self
@@ -234,7 +234,7 @@ class InFlight:
         if self.view is not None:
             self.view.release_routed(info.hashes, time.monotonic(), served=self.ok is True)
         if self.failed:
-            r.shadow.forget(self.added)  # take back what a failed attempt added
+            r.shadow.forget(info.hashes, self.added)  # take back what a failed attempt added
 
 
 def breaker_record(gw: Gateway, replica: ReplicaState, ok: bool) -> None:

@@ -1,4 +1,4 @@
-"""``prefix_router.cache.holders``: the fleet's one map answers every index's own ``match``."""
+"""The fleet's one walk (``cache/holders.py``, ``cache/tree.py``) answers every index's own ``match``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from prefix_router.cache.engine_view import EngineView
 from prefix_router.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefix_router.cache.holders import Holders, match_all
 from prefix_router.cache.shadow import ShadowIndex
+from prefix_router.cache.tree import BlockTree
 
 BLOCK = 4
 SEED = seed_hash("model")
@@ -26,7 +27,7 @@ def _prompts(rng: random.Random) -> list[list[int]]:
     return [doc + [rng.randrange(50) for _ in range(BLOCK * rng.randrange(0, 4))] for doc in docs for _ in range(3)]
 
 
-def depths(holders: Holders, hashes, mask: int) -> dict[int, int]:
+def depths(holders: Holders | BlockTree, hashes, mask: int) -> dict[int, int]:
     """``Holders.drops`` a bit at a time: slot bit -> the leading blocks it holds."""
     out = {}
     for bits, depth in holders.drops(hashes, mask):
@@ -44,9 +45,11 @@ def _step(rng: random.Random, index, prompt: list[int], now: float) -> None:
     if isinstance(index, ShadowIndex):
         op = rng.randrange(5)
         if op <= 1:
-            index.insert(hashes)
+            before = index.insert(hashes)
+            if rng.random() < 0.3:  # the request failed
+                index.forget(hashes, before)
         elif op == 2:
-            index.forget(hashes[rng.randrange(len(hashes) + 1):])
+            index.insert(hashes[:rng.randrange(len(hashes) + 1)])
         elif op == 3:
             index.add_output(rng.randrange(4), hashes)
         else:
@@ -73,38 +76,48 @@ def _step(rng: random.Random, index, prompt: list[int], now: float) -> None:
 @pytest.mark.parametrize("seed", range(100))
 def test_one_walk_of_the_fleet_map_equals_each_indexs_own_match(seed):
     rng = random.Random(seed)
-    holders = Holders()
-    indexes = [ShadowIndex(rng.randrange(2, 12), holders) for _ in range(3)]
+    tree, holders = BlockTree(), Holders()
+    shadows = [ShadowIndex(rng.randrange(2, 12), tree) for _ in range(3)]
+    views = []
     for _ in range(3):
         view = EngineView(BLOCK, lambda lora, salt: SEED, pending_s=0.5, max_ghosts=8, holders=holders)
         view.routed = []
-        indexes.append(view)
+        views.append(view)
     prompts = _prompts(rng)
-    mask = sum(i.bit for i in indexes)
     for t in range(120):
-        _step(rng, rng.choice(indexes), rng.choice(prompts), now=t * 0.1)
+        _step(rng, rng.choice(shadows + views), rng.choice(prompts), now=t * 0.1)
         for prompt in prompts:
             hashes = block_hashes(prompt, BLOCK, SEED)
-            assert depths(holders, hashes, mask) == _expected(indexes, hashes)
+            assert depths(tree, hashes, sum(i.bit for i in shadows)) == _expected(shadows, hashes)
+            assert depths(holders, hashes, sum(i.bit for i in views)) == _expected(views, hashes)
 
 
 def test_a_mask_leaves_out_the_replicas_not_asked_about():
-    holders = Holders()
-    a, b = ShadowIndex(10, holders), ShadowIndex(10, holders)
     chain = block_hashes(list(range(12)), BLOCK, SEED)
+    holders = Holders()
+    a, b = holders.slot(), holders.slot()
+    for h in chain:
+        holders.add(h, a)
+    holders.add(chain[0], b)
+    assert depths(holders, chain, a | b) == {a: 3, b: 1}
+    assert depths(holders, chain, b) == {b: 1}
+    assert depths(holders, chain[1:], a | b) == {a: 2}  # b holds it only as its own prefix's
+    tree = BlockTree()
+    a, b = ShadowIndex(10, tree), ShadowIndex(10, tree)
     a.insert(chain)
     b.insert(chain[:1])
-    assert depths(holders, chain, a.bit | b.bit) == {a.bit: 3, b.bit: 1}
-    assert depths(holders, chain, b.bit) == {b.bit: 1}
-    assert depths(holders, chain[1:], a.bit | b.bit) == {a.bit: 2}  # b holds it only as its own prefix's
+    assert depths(tree, chain, a.bit | b.bit) == {a.bit: 3, b.bit: 1}
+    assert depths(tree, chain, b.bit) == {b.bit: 1}
+    assert depths(tree, chain[1:], a.bit | b.bit) == {}  # a lookup starts at a prompt's first block
 
 
 def test_a_closed_index_leaves_no_bit_and_its_slot_is_reused():
-    holders = Holders()
-    a, b = ShadowIndex(10, holders), ShadowIndex(10, holders)
     chain = block_hashes(list(range(8)), BLOCK, SEED)
-    a.insert(chain)
-    b.insert(chain)
+    holders = Holders()
+    a, b = EngineView(BLOCK, lambda lora, salt: SEED, holders=holders), EngineView(BLOCK, lambda lora, salt: SEED,
+                                                                                   holders=holders)
+    for view in (a, b):
+        view.apply(BlockStored([_engine_hash(h) for h in chain], None, list(range(8)), BLOCK))
     a.close()
     assert depths(holders, chain, a.bit | b.bit) == {b.bit: 2}
     c = EngineView(BLOCK, lambda lora, salt: SEED, holders=holders)
@@ -112,6 +125,16 @@ def test_a_closed_index_leaves_no_bit_and_its_slot_is_reused():
     c.close()
     b.close()
     assert len(holders) == 0
+    tree = BlockTree()
+    a, b = ShadowIndex(10, tree), ShadowIndex(10, tree)
+    a.insert(chain)
+    b.insert(chain)
+    bit = a.bit
+    a.close()
+    assert depths(tree, chain, bit | b.bit) == {b.bit: 2}
+    assert a.match(chain) == 0 and ShadowIndex(10, tree).bit == bit  # the freed slot, not a new one
+    b.close()
+    assert len(tree) == 0
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -119,7 +142,7 @@ def test_match_all_answers_each_indexs_own_match_across_maps_and_many_replicas(s
     """Up to 40 replicas: some reporting into one map, some into another, some into none; many
     holding a prompt to the same depth (the path that hands a depth to many replicas at once)."""
     rng = random.Random(seed)
-    maps = [Holders(), Holders(), None]
+    maps = [BlockTree(), BlockTree(), None]
     indexes = {f"r{i}": ShadowIndex(rng.randrange(4, 40), rng.choice(maps)) for i in range(rng.randrange(1, 41))}
     prompts = _prompts(rng)
     for index in indexes.values():

@@ -17,16 +17,19 @@ def fresh(n: int) -> list[BlockHash]:
     return [BlockHash(next(_fresh)) for _ in range(n)]
 
 
-def test_match_counts_only_the_leading_blocks_and_stops_at_the_first_hole():
+def test_match_counts_only_the_leading_blocks_and_stops_at_the_first_difference():
     index = ShadowIndex(100)
     chain = fresh(8)
-    hole = 3
-    index.insert(chain[:hole] + chain[hole + 1:])  # everything but block 3
-    assert index.match(chain) == hole
-    assert index.match(chain[:hole]) == hole
-    assert index.match(chain[hole + 1:]) == len(chain) - hole - 1  # held, but only as a prefix of its own
+    index.insert(chain)
+    other = chain[:3] + fresh(5)  # the same first three blocks, then another prompt's
+    assert index.match(other) == 3
+    assert index.match(chain[:3]) == 3
+    assert index.match(chain + fresh(2)) == len(chain)
     assert index.match(fresh(1) + chain) == 0  # an unknown first block: nothing is a hit
     assert index.match([]) == 0
+    index.insert(other)
+    assert index.match(chain) == len(chain) and index.match(other) == len(other)
+    assert len(index) == len(chain) + len(other) - 3  # the shared head counts once
 
 
 def test_insert_beyond_capacity_evicts_the_older_chain_from_its_tail_as_vllm_does():
@@ -42,26 +45,29 @@ def test_insert_beyond_capacity_evicts_the_older_chain_from_its_tail_as_vllm_doe
     assert index.match(new) == len(new)
 
 
-def test_reinserting_a_block_touches_it_so_the_next_eviction_spares_it():
-    capacity = 4
-    index = ShadowIndex(capacity)
-    blocks = fresh(capacity)
-    index.insert(blocks)  # the last block is the least recent
-    index.insert(blocks[-1:])  # a hit on it makes it the most recent
-    extra = fresh(1)
-    index.insert(extra)
-    assert index.match(blocks[-1:]) == 1
-    assert index.match(blocks[-2:-1]) == 0  # now the least recent: evicted instead
-    assert len(index) == capacity
+def test_reinserting_a_chain_touches_it_so_the_next_eviction_spares_it():
+    index = ShadowIndex(6)
+    a, b = fresh(3), fresh(3)
+    index.insert(a)
+    index.insert(b)
+    index.insert(a)  # a hit on ``a`` makes it the most recent
+    index.insert(fresh(1))
+    assert index.match(a) == 3
+    assert index.match(b) == 2  # now the least recent: its tail went instead
+    assert len(index) == 6
 
 
-def test_forget_drops_blocks_and_ignores_unknown_ones():
+def test_forget_takes_back_what_a_failed_request_added_and_keeps_what_was_held_before():
     index = ShadowIndex(10)
     chain = fresh(4)
-    index.insert(chain)
-    index.forget([chain[2], *fresh(2)])
-    assert len(index) == len(chain) - 1
-    assert index.match(chain) == 2
+    assert index.insert(chain[:2]) == 0
+    longer = chain + fresh(2)
+    before = index.insert(longer)
+    assert before == 2
+    index.forget(longer, before)
+    assert len(index) == 2 and index.match(longer) == 2
+    index.forget(fresh(3), 1)  # a chain it never held: nothing
+    assert len(index) == 2
 
 
 def test_resize_to_a_smaller_capacity_evicts_the_oldest_blocks_at_once():

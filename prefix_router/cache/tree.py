@@ -1,0 +1,420 @@
+"""The gateway's guess of every replica's cache in one radix tree of block-hash runs.
+
+Each replica's guess (``ShadowIndex``) was an LRU set of block hashes of its own: 256 replicas
+of 30,000 blocks, half a system prompt they all hold, took 813 MiB (``bench/results/choice``),
+and every routed 32k-token prompt touched 2,048 entries of it one by one. Chained hashes make a
+replica's blocks a set of paths from the root (a block held means its prefix held), so this
+tree keeps each distinct run of blocks once, as packed bytes (8 bytes a block), and what each
+replica holds as a count per node: the leading blocks of the node's run it holds. A shared
+prompt is one node whatever the fleet; a conversation is a node per turn.
+
+- ``drops`` walks a prompt once for every replica (``Holders.drops``' contract): a node's run
+  is compared with the prompt by ``bytes.startswith`` in C, so a long prompt costs a few
+  comparisons, not a dictionary lookup a block.
+- LRU, exact per block: vLLM frees a request's blocks tail first and evicts the least recently
+  freed (``vllm/v1/core/block_pool.py``), so a touch gives a whole chain one stamp with its tail
+  oldest, and a prefix is never touched later than what it prefixes. The least recent block of
+  a replica is therefore the last block of one of its leaves (a node it holds no child of);
+  a heap of leaves by (stamp, -depth) per replica finds it, and eviction trims that leaf's
+  count. A touch that ends inside a node the replica holds further splits the node there, so
+  a count's blocks always share a stamp.
+- Blocks of generated tokens take capacity but are never matched: a FIFO of counts per replica.
+
+Memory: a node is about 600 bytes of Python objects plus its run, and a replica's hold on it
+about 100 (``python -m bench choice`` measures it). A lookup must start at a prompt's first
+block: a chained hash names its whole prefix, so every caller's hashes do.
+"""
+
+from __future__ import annotations
+
+import heapq
+import sys
+from collections import deque
+from collections.abc import Sequence
+
+from prefix_router.cache.blocks import BlockHash, common_blocks, packed_hashes
+
+__all__ = ["BlockTree"]
+
+
+class _Node:
+    __slots__ = ("run", "size", "depth", "parent", "children", "holds", "full")
+
+    def __init__(self, run: bytes, depth: int, parent: _Node | None) -> None:
+        self.run = run  # the blocks' hashes, packed 8 bytes each (native order)
+        self.size = len(run) >> 3
+        self.depth = depth  # blocks above this node
+        self.parent = parent
+        self.children: dict[int, _Node] = {}  # first block's hash -> child
+        self.holds: dict[int, _Hold] = {}  # replica bit -> its hold on this node
+        self.full = 0  # bits holding the whole run
+
+
+class _Hold:
+    """A replica's hold on one node: the node's leading ``n`` blocks, touched at ``stamp``."""
+
+    __slots__ = ("n", "stamp", "kids")
+
+    def __init__(self, n: int, stamp: int) -> None:
+        self.n = n
+        self.stamp = stamp
+        self.kids = 0  # children of the node this replica holds blocks of
+
+
+class _Holder:
+    __slots__ = ("bit", "capacity", "blocks", "opaque", "opaque_n", "heap", "nodes")
+
+    def __init__(self, bit: int, capacity: int) -> None:
+        self.bit = bit
+        self.capacity = capacity
+        self.blocks = 0  # blocks held in the tree
+        self.opaque: deque[list[int]] = deque()  # [stamp, count] of generated blocks, oldest first
+        self.opaque_n = 0
+        self.heap: list[tuple[int, int, int, _Node]] = []  # (stamp, -end depth, id, node) of its leaves, lazily
+        self.nodes: set[_Node] = set()  # nodes it holds blocks of
+
+
+class BlockTree:
+    """Block-hash runs, and how much of each every replica holds, with each replica's LRU.
+
+    A replica joins with ``join(capacity)`` and gets a bit; ``insert``, ``touch``,
+    ``add_opaque``, ``cut`` and ``clear`` change what it holds, and the blocks beyond its
+    capacity go, least recently used first. ``drops`` answers for many replicas in one walk."""
+
+    def __init__(self) -> None:
+        self._root = _Node(b"", 0, None)
+        self._holders: dict[int, _Holder] = {}
+        self._next_slot = 0
+        self._free: list[int] = []
+        self._clock = 0
+        self._ids = 0  # heap tie-breaker
+        self.blocks = 0  # distinct blocks in the tree
+
+    def __len__(self) -> int:
+        return self.blocks
+
+    def join(self, capacity: int) -> int:
+        """A new replica's bit (``1 << slot``, freed slots reused lowest first), holding nothing."""
+        if self._free:
+            self._free.sort()
+            slot = self._free.pop(0)
+        else:
+            slot, self._next_slot = self._next_slot, self._next_slot + 1
+        bit = 1 << slot
+        self._holders[bit] = _Holder(bit, max(capacity, 1))
+        return bit
+
+    def leave(self, bit: int) -> None:
+        """The replica of ``bit`` holds nothing any more and its slot is free."""
+        self.clear(bit)
+        del self._holders[bit]
+        self._free.append(bit.bit_length() - 1)
+
+    def held(self, bit: int) -> int:
+        """Blocks the replica of ``bit`` holds, generated ones included."""
+        holder = self._holders[bit]
+        return holder.blocks + holder.opaque_n
+
+    def capacity(self, bit: int) -> int:
+        return self._holders[bit].capacity
+
+    def set_capacity(self, bit: int, capacity: int) -> None:
+        """A new capacity (at least 1); blocks beyond it go at once."""
+        holder = self._holders[bit]
+        holder.capacity = max(capacity, 1)
+        self._evict(holder)
+
+    def clear(self, bit: int) -> None:
+        """The replica of ``bit`` holds nothing."""
+        holder = self._holders[bit]
+        for node in sorted(holder.nodes, key=lambda node: -node.depth):  # leaves first
+            self._drop(node, bit)
+        holder.opaque.clear()
+        holder.opaque_n = 0
+        holder.heap.clear()
+
+    def insert(self, bit: int, hashes: Sequence[BlockHash]) -> int:
+        """The replica of ``bit`` holds the chain ``hashes``, touched now (its tail least
+        recent); blocks beyond its capacity go. Returns the leading blocks it held before."""
+        return self._walk(bit, hashes, add=True)
+
+    def touch(self, bit: int, hashes: Sequence[BlockHash]) -> None:
+        """The leading blocks of ``hashes`` the replica holds are used now (nothing added)."""
+        self._walk(bit, hashes, add=False)
+
+    def add_opaque(self, bit: int, count: int, evict: bool = True) -> None:
+        """``count`` blocks that are never matched (generated tokens') take capacity, newest;
+        ``evict`` False leaves the blocks beyond capacity to the next change (a ``touch``)."""
+        holder = self._holders[bit]
+        if count <= 0:
+            return
+        self._clock += 1
+        holder.opaque.append([self._clock, count])
+        holder.opaque_n += count
+        if evict:
+            self._evict(holder)
+
+    def cut(self, bit: int, hashes: Sequence[BlockHash], start: int) -> None:
+        """The replica of ``bit`` no longer holds ``hashes[start:]`` (nor what they prefix)."""
+        holder = self._holders[bit]
+        packed = packed_hashes(hashes)
+        node, pos, n = self._root, 0, len(hashes)
+        while pos < n:
+            child = node.children.get(hashes[pos])
+            if child is None:
+                return
+            hold = child.holds.get(bit)
+            if hold is None:
+                return
+            m = common_blocks(child.run, packed, pos, min(child.size, n - pos))
+            if start < pos + min(m, hold.n):  # the cut falls in this node
+                keep = max(start - pos, 0)
+                for grandchild in list(child.children.values()):
+                    if grandchild.holds.get(bit) is not None:
+                        self._drop_subtree(grandchild, bit)
+                if keep:
+                    self._set(child, bit, keep)
+                    self._shrink(child)
+                    self._push(holder, child, child.holds[bit])
+                else:
+                    self._drop(child, bit)
+                return
+            if m < child.size:
+                return
+            node, pos = child, pos + m
+
+    def match(self, bit: int, hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks of ``hashes`` the replica of ``bit`` holds."""
+        for bits, depth in self.drops(hashes, bit):
+            return depth
+        return 0
+
+    def drops(self, hashes: Sequence[BlockHash], mask: int, cap: int | None = None) -> list[tuple[int, int]]:
+        """Where the replicas of ``mask`` stop holding the first ``cap`` blocks of ``hashes``:
+        ``(bits, depth)`` pairs, ``depth`` > 0 and not decreasing (``Holders.drops``' answer).
+        One walk down the tree, a comparison of packed bytes a node."""
+        n = len(hashes) if cap is None else min(cap, len(hashes))
+        out: list[tuple[int, int]] = []
+        if not n or not mask:
+            return out
+        child = self._root.children.get(hashes[0])
+        if child is None:
+            return out
+        packed = packed_hashes(hashes)
+        alive, pos = mask, 0
+        while True:
+            m = common_blocks(child.run, packed, pos, min(child.size, n - pos))
+            if len(child.holds) == child.full.bit_count():
+                partial = 0
+            else:  # some hold part of the run
+                ends: dict[int, int] = {}
+                for bit, hold in child.holds.items():
+                    if alive & bit and hold.n < child.size:
+                        depth = pos + min(hold.n, m)
+                        ends[depth] = ends.get(depth, 0) | bit
+                partial = sum(ends.values())
+            gone = alive & ~child.full & ~partial
+            if pos and gone:
+                out.append((gone, pos))
+            if partial:
+                out.extend((bits, depth) for depth, bits in sorted(ends.items()))
+            alive &= child.full
+            if not alive:
+                return out
+            pos += m
+            if m < child.size or pos >= n:
+                out.append((alive, pos))
+                return out
+            nxt = child.children.get(hashes[pos])
+            if nxt is None:
+                out.append((alive, pos))
+                return out
+            child = nxt
+
+    def _walk(self, bit: int, hashes: Sequence[BlockHash], add: bool) -> int:
+        holder = self._holders[bit]
+        n = min(len(hashes), holder.capacity)
+        if n == 0:
+            self._evict(holder)
+            return 0
+        packed = packed_hashes(hashes)
+        self._clock += 1
+        stamp = self._clock
+        node, pos, before, last = self._root, 0, 0, None
+        counting = True  # still inside what the replica held before
+        while pos < n:
+            child = node.children.get(hashes[pos])
+            if child is None:
+                if not add:
+                    break
+                child = _Node(packed[pos << 3 : n << 3], pos, node)
+                node.children[hashes[pos]] = child
+                self.blocks += child.size
+                m = child.size
+            else:
+                m = common_blocks(child.run, packed, pos, min(child.size, n - pos))
+            hold = child.holds.get(bit)
+            had = hold.n if hold is not None else 0
+            if counting:
+                before += min(had, m)
+                counting = had >= m and m == child.size
+            reach = m if add else min(m, had)
+            if reach == 0:
+                break
+            if reach < had:  # the touch ends inside this replica's hold: split so one stamp covers a hold
+                self._split(child, reach)
+                had = reach
+            if reach < child.size and add and pos + reach < n:  # the prompt leaves the run here
+                self._split(child, reach)
+            self._set(child, bit, max(had, reach))
+            child.holds[bit].stamp = stamp
+            last = child
+            pos += reach
+            if reach < child.size:
+                break
+            node = child
+        if last is not None:
+            hold = last.holds[bit]
+            if not hold.kids:
+                self._push(holder, last, hold)
+        self._evict(holder)
+        return before
+
+    def _split(self, node: _Node, at: int) -> None:
+        """Cut ``node``'s run after ``at`` blocks: ``node`` keeps the head, a new child the tail,
+        with the node's children and each replica's hold beyond ``at``."""
+        tail = _Node(node.run[at << 3 :], node.depth + at, node)
+        tail.children, node.children = node.children, {}
+        for grandchild in tail.children.values():
+            grandchild.parent = tail
+        node.run, node.size = node.run[: at << 3], at
+        node.children[int.from_bytes(tail.run[:8], sys.byteorder)] = tail
+        full = 0
+        for bit, hold in node.holds.items():
+            if hold.n > at:
+                moved = _Hold(hold.n - at, hold.stamp)
+                moved.kids, hold.kids, hold.n = hold.kids, 1, at
+                tail.holds[bit] = moved
+                self._holders[bit].nodes.add(tail)
+                if moved.n == tail.size:
+                    tail.full |= bit
+                if not moved.kids:
+                    self._push(self._holders[bit], tail, moved)
+            if hold.n == at:
+                full |= bit
+        node.full = full
+
+    def _set(self, node: _Node, bit: int, n: int) -> None:
+        """The replica of ``bit`` holds ``n`` > 0 leading blocks of ``node``."""
+        holder = self._holders[bit]
+        hold = node.holds.get(bit)
+        if hold is None:
+            node.holds[bit] = _Hold(n, 0)
+            holder.nodes.add(node)
+            holder.blocks += n
+            if node.parent is not self._root and node.parent is not None:
+                node.parent.holds[bit].kids += 1
+        else:
+            holder.blocks += n - hold.n
+            hold.n = n
+        if n == node.size:
+            node.full |= bit
+        else:
+            node.full &= ~bit
+
+    def _drop(self, node: _Node, bit: int) -> None:
+        """The replica of ``bit`` holds nothing of ``node`` (nor below it); an empty node goes."""
+        hold = node.holds.pop(bit)
+        holder = self._holders[bit]
+        holder.blocks -= hold.n
+        holder.nodes.discard(node)
+        node.full &= ~bit
+        parent = node.parent
+        if parent is not self._root and parent is not None:
+            up = parent.holds.get(bit)
+            if up is not None:
+                up.kids -= 1
+                if not up.kids:
+                    self._push(holder, parent, up)
+        if not node.holds:
+            self._remove(node)
+        else:
+            self._shrink(node)
+
+    def _shrink(self, node: _Node) -> None:
+        """Cut the blocks of a node's run that nobody holds (only a leaf's can be)."""
+        if node.full or node.children or not node.holds:
+            return
+        n = max(hold.n for hold in node.holds.values())
+        self.blocks -= node.size - n
+        node.run, node.size = node.run[: n << 3], n
+        node.full = sum(bit for bit, hold in node.holds.items() if hold.n == n)
+
+    def _drop_subtree(self, node: _Node, bit: int) -> None:
+        for child in list(node.children.values()):
+            if child.holds.get(bit) is not None:
+                self._drop_subtree(child, bit)
+        self._drop(node, bit)
+
+    def _remove(self, node: _Node) -> None:
+        """Unlink a node nobody holds, with whatever is left below it."""
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            self.blocks -= n.size
+            stack.extend(n.children.values())
+        parent = node.parent
+        if parent is not None:
+            key = int.from_bytes(node.run[:8], sys.byteorder)
+            if parent.children.get(key) is node:
+                del parent.children[key]
+        node.parent = None
+
+    def _push(self, holder: _Holder, node: _Node, hold: _Hold) -> None:
+        self._ids += 1
+        heapq.heappush(holder.heap, (hold.stamp, -(node.depth + hold.n), self._ids, node))
+        if len(holder.heap) > 4 * len(holder.nodes) + 64:
+            heap = []
+            for nd in holder.nodes:
+                h = nd.holds[holder.bit]
+                if not h.kids:
+                    self._ids += 1
+                    heap.append((h.stamp, -(nd.depth + h.n), self._ids, nd))
+            heapq.heapify(heap)
+            holder.heap = heap
+
+    def _leaf(self, holder: _Holder) -> tuple[_Node, _Hold] | None:
+        """The replica's least recently used leaf, its stale heap entries dropped on the way."""
+        heap = holder.heap
+        while heap:
+            stamp, end, _, node = heap[0]
+            hold = node.holds.get(holder.bit)
+            if hold is not None and not hold.kids and hold.stamp == stamp and node.depth + hold.n == -end:
+                return node, hold
+            heapq.heappop(heap)
+        return None
+
+    def _evict(self, holder: _Holder) -> None:
+        """Trim the least recently used blocks (a leaf's tail, or generated blocks) to capacity."""
+        bit = holder.bit
+        while holder.blocks + holder.opaque_n > holder.capacity:
+            over = holder.blocks + holder.opaque_n - holder.capacity
+            leaf = self._leaf(holder)
+            if holder.opaque and (leaf is None or holder.opaque[0][0] < leaf[1].stamp):
+                batch = holder.opaque[0]
+                k = min(over, batch[1])
+                batch[1] -= k
+                holder.opaque_n -= k
+                if not batch[1]:
+                    holder.opaque.popleft()
+                continue
+            if leaf is None:  # nothing left to evict (cannot happen while blocks are counted)
+                return
+            node, hold = leaf
+            heapq.heappop(holder.heap)
+            if hold.n > over:
+                self._set(node, bit, hold.n - over)
+                self._shrink(node)
+                self._push(holder, node, hold)
+            else:
+                self._drop(node, bit)
