@@ -32,6 +32,7 @@ from prefix_router.endpoints import Kind
 from prefix_router.errors import error_body, openai_error
 from prefix_router.gateway import Gateway
 from prefix_router.serve.passthrough import REPLICAS_HEADER, handle_passthrough
+from prefix_router.serve.learning import flush_waiting_lines
 from prefix_router.serve.proxy import handle_generate
 from prefix_router.fleet.replicas import check_all, poll_health, poll_metrics, scrape_once
 from prefix_router.fleet.tenants import bearer
@@ -188,6 +189,7 @@ async def _lifecycle(app: web.Application):
     log.info("stopped; %d requests were still in flight", sum(r.inflight for r in gw.replicas.values()))
     gw.executor.shutdown(wait=False)
     if gw.request_log is not None:
+        await flush_waiting_lines(gw)
         gw.request_log.close()
 
 

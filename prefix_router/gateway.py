@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
@@ -101,6 +101,8 @@ class Gateway:
         self._models_reading: asyncio.Future | None = None
         self._exported: dict[str, dict[str, int]] = {}  # per replica: event counters exported so far
         self.request_log = RequestLog(config.request_log) if config.request_log else None
+        # request-log lines waiting for their events, each with its writer (serve/learning.py)
+        self.waiting_lines: dict[asyncio.Task, Callable[[], None]] = {}
         self.admission = Admission(config.admission, self.saturated)
         self.tenants = Tenants(config.auth)
         self.metrics.admission_waiting.set_function(lambda: len(self.admission))

@@ -54,13 +54,16 @@ class EngineView:
         # one that computes its prefix, must see them before the events do
         self._inflight: dict[BlockHash, int] = {}
         self._released: OrderedDict[BlockHash, float] = OrderedDict()
-        # routed blocks the engine evicted while a request that wants them was in flight (the
-        # removal's number in ``removals``): its prefill recomputes them, though predicted held
-        self._evicted: dict[BlockHash, int] = {}
         self.removals = 0  # blocks removed, ever
         self._engine: dict[EngineHash, list] = {}  # engine hash -> [gateway hash, count]
         self._blocks: dict[BlockHash, int] = {}  # gateway hash -> engine hashes holding it
-        self._ghosts: OrderedDict[BlockHash, None] = OrderedDict()
+        # the blocks removed lately, newest last, at most ``max_ghosts``, each with its last
+        # removal's number (in ``removals``): for ``held_lately``, and for ``evicted_since``: a
+        # request routed before a removal of a block it wants recomputes it, though predicted
+        # held. Kept when the block is stored again and after the request ends: vLLM publishes a
+        # step's events and its answers at once, so a removal may reach the gateway after the
+        # answer, and the request itself stores the block again
+        self._ghosts: OrderedDict[BlockHash, int] = OrderedDict()
         self.stored = 0  # blocks stored, ever
         self.orphans = 0  # stored blocks whose parent the view never saw (events lost, or an opaque parent)
         self.opaque = 0  # stored blocks with inputs the gateway does not hash (images, prompt embeds)
@@ -98,11 +101,12 @@ class EngineView:
         blocks first): one queued behind them finds less of its prefix than it was routed for. A
         block evicted may be stored again before the request is scheduled (another request
         recomputed it), or be evicted after (vLLM preempts a running request and frees its
-        blocks), so the engine's hit stops at one of these, not always the first."""
-        evicted = self._evicted
-        if not evicted:
+        blocks), so the engine's hit stops at one of these, not always the first. Answers after
+        the request ended too, for the ``max_ghosts`` blocks removed last."""
+        removed = self._ghosts
+        if not removed:
             return ()
-        return tuple(i for i, h in enumerate(hashes[:n]) if evicted.get(h, -1) > since)
+        return tuple(i for i, h in enumerate(hashes[:n]) if removed.get(h, -1) > since)
 
     def release_routed(self, hashes: Sequence[BlockHash], now: float, served: bool) -> None:
         """The request sent with ``note_routed`` ended (``now``: monotonic s). ``served``: the
@@ -115,7 +119,6 @@ class EngineView:
                 inflight[h] = left
                 continue
             inflight.pop(h, None)
-            self._evicted.pop(h, None)
             if served and h not in blocks:
                 released.pop(h, None)
                 released[h] = now
@@ -163,7 +166,7 @@ class EngineView:
         self._ghosts.clear()
         self._inflight.clear()
         self._released.clear()
-        self._evicted.clear()
+
 
     def close(self) -> None:
         """The view is dropped (its replica left, or a new stream replaces it): its blocks leave
@@ -192,9 +195,9 @@ class EngineView:
             # vLLM queues the event when the cache is reset and publishes it after its next step
             # (``Scheduler.update_from_output``): the requests in flight then store their blocks
             # after it, so their tallies stay
-            inflight, evicted = dict(self._inflight), dict(self._evicted)
+            inflight, ghosts = dict(self._inflight), self._ghosts.copy()
             self.clear()
-            self._inflight, self._evicted = inflight, evicted
+            self._inflight, self._ghosts = inflight, ghosts
             if self.holders is not None:
                 for h in inflight:
                     self.holders.add(h, self.bit)
@@ -222,7 +225,7 @@ class EngineView:
                 self.orphans += len(event.block_hashes)
                 return
             seed = parent[0]
-        engine, blocks, ghosts, size = self._engine, self._blocks, self._ghosts, self.block_size
+        engine, blocks, size = self._engine, self._blocks, self.block_size
         for start in range(0, len(event.block_hashes), slice_blocks):
             engine_hashes = event.block_hashes[start:start + slice_blocks]
             ours = block_hashes(event.token_ids[start * size:(start + len(engine_hashes)) * size], size, seed)
@@ -238,7 +241,6 @@ class EngineView:
                 blocks[h] = blocks.get(h, 0) + 1
                 if self.holders is not None:
                     self.holders.add(h, self.bit)
-                ghosts.pop(h, None)
                 self._released.pop(h, None)
                 self.stored += 1
             seed = ours[-1]
@@ -259,8 +261,8 @@ class EngineView:
         self._blocks.pop(h, None)
         self._left(h)
         self.removals += 1
-        if h in self._inflight:
-            self._evicted[h] = self.removals
-        self._ghosts[h] = None
-        if len(self._ghosts) > self.max_ghosts:
-            self._ghosts.popitem(last=False)
+        ghosts = self._ghosts
+        ghosts.pop(h, None)
+        ghosts[h] = self.removals
+        if len(ghosts) > self.max_ghosts:
+            ghosts.popitem(last=False)

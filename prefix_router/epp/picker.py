@@ -357,7 +357,7 @@ class Exchange:
             return
         usage, answer, response_id = answered(self.inbound.path, self.events, answer, usage)
         outcome = Outcome(None, self.status, slot.replica, self.decision, self.route or self.decision.route, usage,
-                          self.ttft, elapsed, slot.held_blocks, slot.evicted_blocks, answer, response_id)
+                          self.ttft, elapsed, slot.held_blocks, slot.view, slot.removals, answer, response_id)
         learn(self.gw, self.inbound, self.info, outcome)
 
     def abandon(self) -> None:

@@ -31,6 +31,7 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
+from prefix_router.cache.engine_view import EngineView
 from prefix_router.fleet.breaker import BreakerState
 from prefix_router.fleet.kv_follower import check_parity
 from prefix_router.prompts.responses import MESSAGES, RESPONSES, Events, chat_usage
@@ -55,9 +56,9 @@ class Outcome:
     then the gateway's 502). ``route``: the decision's route, or ``retry`` for an attempt after
     the first. ``usage``: the engine's, in the chat's shape whatever the API
     (``responses.chat_usage``). ``held_blocks``: blocks the replica held now or lately when it was
-    sent (a miss of those is an eviction). ``evicted_blocks``: which of the predicted blocks (their
-    indices) the replica's KV events showed evicted while the request was in flight, read only
-    where a request log is configured (empty otherwise). ``answer``: the answer's JSON object when it
+    sent (a miss of those is an eviction). ``view``: the replica's KV-event view the request was
+    routed by (None without one), and ``removals`` its removals when the request was sent, for
+    ``EngineView.evicted_since``. ``answer``: the answer's JSON object when it
     came in one body, or a Responses stream's completed response; ``response_id``: a Responses
     answer's id. Times in seconds from sending.
     """
@@ -71,7 +72,8 @@ class Outcome:
     ttft_s: float | None = None
     elapsed_s: float = 0.0
     held_blocks: int = 0
-    evicted_blocks: tuple[int, ...] = ()
+    view: EngineView | None = None
+    removals: int = 0
     answer: dict | None = None
     response_id: str | None = None
 
@@ -138,7 +140,7 @@ async def _attempt(request: web.Request, gw: Gateway, inbound: Inbound, info: Pr
                 breaker_record(gw, earlier, False)
     usage, answer, response_id = answered(inbound.path, events, relayed.answer, relayed.usage)
     return Outcome(relayed.response, relayed.status, replica, decision, route, usage, relayed.ttft_s, elapsed,
-                   slot.held_blocks, slot.evicted_blocks, answer, response_id)
+                   slot.held_blocks, slot.view, slot.removals, answer, response_id)
 
 
 def answered(path: str, events, answer: dict | None, usage) -> tuple[dict | None, dict | None, str | None]:
@@ -164,7 +166,8 @@ class InFlight:
         self.ok: bool | None = None
         self.served = False  # the replica answered 200 and the client got it all
         self.failed = False  # no answer, or a 5xx: the request goes elsewhere, its blocks will not be here
-        self.evicted_blocks: tuple[int, ...] = ()
+        self.view: EngineView | None = None
+        self.removals = 0
         # what the replica held before this attempt's own blocks count (routing's view of it)
         self.held_blocks = min(replica.cache_index(info.exact).match_ever(info.hashes), gw.max_hit_blocks(info))
         # the prompt's blocks (partial last one included) the replica is not believed to hold:
@@ -219,8 +222,6 @@ class InFlight:
         gw, r, info = self.gw, self.replica, self.info
         if self.served and info.exact:  # before the view lets go of the blocks it was told of
             check_parity(gw, r, info.hashes, self.sent_at)
-        if self.served and self.view is not None and gw.request_log is not None:  # read by the request log only
-            self.evicted_blocks = self.view.evicted_since(info.hashes, self.decision.predicted_blocks, self.removals)
         if r.scrape_epoch == self.epoch:
             r.sent_since_scrape = max(r.sent_since_scrape - 1, 0)
         r.inflight -= 1

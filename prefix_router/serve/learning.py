@@ -15,7 +15,9 @@ Counts are kept in the gateway's blocks (``Gateway.unit_block_size``); for chara
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 from prefix_router.misses.diagnosis import explain
 from prefix_router.misses.change_sites import redacted_excerpt
@@ -28,7 +30,7 @@ from prefix_router.routing.decision import Route
 from prefix_router.prompts.analysis import PromptInfo
 from prefix_router.misses.request_log import conversation_tag
 
-__all__ = ["learn"]
+__all__ = ["flush_waiting_lines", "learn"]
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +81,62 @@ def learn(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome: Outcome) -> 
                   verdict.result.value, prompt_tokens, cached_tokens, predicted,
                   "-" if outcome.ttft_s is None else f"{outcome.ttft_s:.3f} s")
     if gw.request_log is not None:
-        evicted = evicted_in_flight_tokens(outcome.evicted_blocks, cached_blocks, predicted, to_tokens)
-        _log(gw, inbound, replica=name, route=route, status=outcome.status, prompt_tokens=prompt_tokens,
-             cached_tokens=cached_tokens, predicted_cached_tokens=predicted, evicted_in_flight_tokens=evicted,
+        _log_with_evictions(gw, inbound, info, outcome, cached_blocks, to_tokens,
+             replica=name, route=route, status=outcome.status, prompt_tokens=prompt_tokens,
+             cached_tokens=cached_tokens, predicted_cached_tokens=predicted,
              result=verdict.result.value, lost_tokens=lost, cause=change.cause.value if change else None,
              diverged_message=change.message_index if change else None,
              diverged_token=int(verdict.diverged_block * to_tokens) if change else None,
              conversation=conversation_tag(conversation), spilled_from=decision.spilled_from,
              ttft_s=outcome.ttft_s, elapsed_s=round(outcome.elapsed_s, 6))
+
+
+def _log_with_evictions(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome: Outcome, cached_blocks: int,
+                        to_tokens: float, **fields) -> None:
+    """The request's log line, with the tokens its replica's KV events showed evicted while it
+    was in flight (``evicted_in_flight_tokens``). vLLM publishes a step's events and its answers
+    at once, so the events of the step that scheduled the request may reach the gateway after
+    its answer: until the view shows the prompt's last block (which that step stores, unless it
+    was held), the line waits, at most ``kv_events.parity_grace_s``, stamped with the answer's time."""
+    view = outcome.view
+    written = False
+
+    def write() -> None:
+        nonlocal written
+        if written:
+            return
+        written = True
+        blocks = (view.evicted_since(info.hashes, outcome.decision.predicted_blocks, outcome.removals)
+                  if view is not None else ())
+        _log(gw, inbound, evicted_in_flight_tokens=evicted_in_flight_tokens(
+            blocks, cached_blocks, fields["predicted_cached_tokens"], to_tokens), **fields)
+
+    if view is None or not info.hashes or view.held_lately(info.hashes[-1]):
+        write()
+        return
+    fields["t"] = round(time.time(), 6)
+    task = asyncio.get_running_loop().create_task(_when_seen(view, info.hashes[-1], gw.config.kv_events.parity_grace_s,
+                                                             write))
+    gw.waiting_lines[task] = write
+    task.add_done_callback(lambda done: gw.waiting_lines.pop(done, None))
+
+
+async def _when_seen(view, block, grace_s: float, write) -> None:
+    """``write()`` once ``view`` holds ``block``, or after ``grace_s``."""
+    deadline = time.monotonic() + grace_s
+    while not view.held_lately(block) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    write()
+
+
+async def flush_waiting_lines(gw: Gateway) -> None:
+    """Write every log line still waiting for events now (the gateway stops; the log closes next)."""
+    waiting = dict(gw.waiting_lines)
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    for write in waiting.values():
+        write()  # once: a line its task wrote is not written again
 
 
 def _engine_hit(gw: Gateway, info: PromptInfo, usage: dict) -> tuple[int, int, int, float]:

@@ -146,7 +146,12 @@ def test_blocks_evicted_while_a_request_waits_are_told_apart_from_those_evicted_
     assert v.evicted_since(ours, 3, later) == ()
     v.release_routed(ours[:3], now=1.0, served=True)
     v.release_routed(ours[:1], now=1.0, served=True)
-    assert not v._evicted  # nothing kept past the requests that wanted the blocks
+    # the answer may come before the events: a removal that arrives after the request ended,
+    # and the block stored again by the request's own prefill, still tell it was evicted
+    v.apply(BlockRemoved([41]))
+    through_the_wire(v, stored([51, 52], None, tokens[:8]))
+    assert v.evicted_since(ours, 3, since) == (0, 1, 2) and v.evicted_since(ours, 3, v.removals) == ()
+    assert v.held_lately(ours[0]) and v.held_lately(ours[1])
 
 
 def test_the_tokens_evicted_in_flight_run_from_the_evicted_block_where_the_engines_hit_stopped():

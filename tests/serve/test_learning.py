@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 from aiohttp import web
@@ -23,10 +24,10 @@ from prefix_router.prompts.tokenizer import ByteTokenizer
 from prefix_router.routing.decision import Route
 from prefix_router.serve.forward import Outcome
 from prefix_router.serve.inbound import inbound_of
-from prefix_router.serve.learning import evicted_in_flight_tokens, learn
+from prefix_router.serve.learning import evicted_in_flight_tokens, flush_waiting_lines, learn
 from prefix_router.serve.proxy import route
 
-from ..helpers import MODEL, metric
+from ..helpers import MODEL, metric, until
 
 CHAT, RESPONSES = "/v1/chat/completions", "/v1/responses"
 SYSTEM = " ".join(f"rule {i}: answer briefly and cite sources." for i in range(20))
@@ -203,6 +204,45 @@ async def test_the_request_log_line_holds_the_prediction_and_the_outcome_but_no_
     assert (line["result"], line["lost_tokens"]) == ("miss_evicted", gw.block_size)
     assert line["conversation"] == conversation_tag(info.conversation)
     assert "body" not in line and "briefly" not in path.read_text()
+
+
+class LateView:
+    """A KV-event view whose events of the request's engine step come after its answer (vLLM
+    publishes both at once): the prompt's last block unseen until ``seen``."""
+
+    def __init__(self) -> None:
+        self.seen, self.evicted = False, ()
+
+    def held_lately(self, block) -> bool:
+        return self.seen
+
+    def evicted_since(self, hashes, n: int, since: int) -> tuple[int, ...]:
+        return tuple(i for i in self.evicted if i < n)
+
+
+async def test_a_line_waits_for_the_events_that_show_what_was_evicted_while_its_request_waited(gateway, tmp_path):
+    path = tmp_path / "requests.jsonl"
+    gw = gateway(request_log=str(path), kv_events={"parity_grace_s": 30.0})
+    inbound, info, decision = await routed(gw, chat())
+    decision = dataclasses.replace(decision, predicted_blocks=3, best_blocks=3)
+    view = LateView()
+    learn(gw, inbound, info, outcome(gw, decision, usage(gw, info, cached_blocks=0), view=view))
+    answered_at = time.time()
+    assert path.read_text() == ""  # its events have not come
+    view.evicted, view.seen = (0, 1, 2), True  # they come: the whole prediction was evicted before it ran
+    await until(path.read_text)
+    line = json.loads(path.read_text())
+    assert line["evicted_in_flight_tokens"] == line["predicted_cached_tokens"] == 3 * gw.block_size
+    assert line["t"] <= answered_at  # stamped when it was answered, not when written
+
+
+async def test_a_line_still_waiting_is_written_when_the_gateway_stops(gateway, tmp_path):
+    path = tmp_path / "requests.jsonl"
+    gw = gateway(request_log=str(path), kv_events={"parity_grace_s": 30.0})
+    inbound, info, decision = await routed(gw, chat())
+    learn(gw, inbound, info, outcome(gw, decision, usage(gw, info, cached_blocks=0), view=LateView()))
+    await flush_waiting_lines(gw)
+    assert json.loads(path.read_text())["evicted_in_flight_tokens"] == 0 and not gw.waiting_lines
 
 
 async def test_with_bodies_logged_the_line_holds_the_path_and_the_request_as_routed(gateway, tmp_path):
