@@ -223,15 +223,14 @@ class HFTokenizer:
         tail = self.encode(text[cut:], add_special_tokens=False)
         ids.extend(tail)
         kept = None
-        remaining = len(boundaries) - num_known  # special tokens in the new tail, up to the last
-        if remaining:
+        if len(boundaries) > num_known:  # the new tail has special tokens: keep through its last
+            # one (a special token's id comes only from its own text), found from the end: in a
+            # chat prompt it is the generation prompt's, a few tokens from the end, so a long new
+            # tail costs no Python step a token
             special = self._special_ids
-            for index, token in enumerate(tail):
-                if token in special:
-                    remaining -= 1
-                    if remaining == 0:
-                        kept = self._remember(boundaries[-1][1], ids[: start + index + 1])
-                        break
+            index = next((i for i in range(len(tail) - 1, -1, -1) if tail[i] in special), None)
+            if index is not None:
+                kept = self._remember(boundaries[-1][1], ids[: start + index + 1])
         return Tokens(ids, known, kept)
 
     def _remember(self, key: int, ids: array) -> KnownPrefix | None:
