@@ -84,8 +84,10 @@ def test_the_command_writes_its_results_folder(tmp_path):
     readme = (tmp_path / "README.md").read_text()
     assert "python -m bench fleet-cost" in readme and "| 2 | 272 (256 + 16) |" in readme
     assert "health probes every 2 s" in readme and "| 2 / 1 replicas, 272-token prompts |" in readme
+    assert "| prompt tokens | floor CPU ms / request |" in readme  # the floor proxy beside it, in the same turns
     results = json.loads((tmp_path / "results.json").read_text())["results"]
-    assert len(results["cells"]) == 8 and all(c["errors"] == 0 for c in results["cells"])
-    assert all(1 <= c["holders"] <= c["replicas"] for c in results["cells"])
+    assert len(results["cells"]) == 12 and all(c["errors"] == 0 for c in results["cells"])
+    gateways = [c for c in results["cells"] if not c.get("floor")]
+    assert len(gateways) == 8 and all(1 <= c["holders"] <= c["replicas"] for c in gateways)
     assert [t["rate_per_s"] for t in results["background"]] == [0.5, 1.0, 0.1, 0.1]  # each task measured
     assert "| health probes (`/health` every `health.interval_s`, 2 s) |" in readme

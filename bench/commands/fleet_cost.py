@@ -27,6 +27,10 @@ its health probes, scrapes and other pollers. The ratios the issue sets goals fo
 last each background task alone at the largest fleet (``bench/background.py``): its CPU, and the
 fleet size at which it would take a tenth of a core.
 
+The floor: the same cells (in turn with the gateway's) for ``bench/floor_proxy.py``, an aiohttp
+proxy that forwards the same bytes to the smallest fleet's first replica and reads none of them:
+what moving a prompt's bytes through one aiohttp process costs, whatever it does with them.
+
     python -m bench fleet-cost [--replicas 4,256] [--shared-tokens 32768,896] [--requests 400] [--reps 3]
 
 Writes bench/results/fleet-cost/ (README.md and results.json).
@@ -54,6 +58,7 @@ from prefix_router.tools.replay.summary import percentile
 from .. import CACHE, RESULTS, background
 from ..fake_fleet import MODEL, started
 from ..meters import cpu_seconds
+from ..systems import Floor
 from ..report import command_line, write_results
 
 VOCAB = 128_000  # token ids drawn below this (Llama 3's vocabulary)
@@ -136,6 +141,10 @@ def run_cell(gateway: dict, prompts: Prompts, args: argparse.Namespace) -> dict:
     cpu0 = cpu_seconds(gateway["pid"])
     sent = asyncio.run(send(gateway["url"], bodies, prompts.tokens, args.concurrency))
     cpu = cpu_seconds(gateway["pid"]) - cpu0
+    if gateway.get("floor"):
+        return {"floor": True, "replicas": gateway["replicas"], "tokens": prompts.tokens, "requests": args.requests,
+                "cpu_s": round(cpu, 3), "cpu_ms": 1e3 * cpu / args.requests,
+                "requests_per_s": args.requests / sent["elapsed_s"], **sent}
     return {"replicas": gateway["replicas"], "tokens": prompts.tokens, "shared": prompts.shared, "own": prompts.own,
             "requests": args.requests, "cpu_s": round(cpu, 3), "cpu_ms": 1e3 * cpu / args.requests,
             "requests_per_s": args.requests / sent["elapsed_s"], **sent,
@@ -163,8 +172,9 @@ def wait_on_ring(url: str, n: int, timeout_s: float = 120.0) -> None:
 
 @contextlib.contextmanager
 def systems(sizes: list[int], log_dir: Path):
-    """A fake fleet and a gateway (its replicas listed in a config file) per fleet size, all
-    running; yields one dict per size: replicas, url, pid, fleet_pid, config."""
+    """A fake fleet and a gateway (its replicas listed in a config file) per fleet size, and the
+    floor proxy in front of the smallest, all running; yields one dict per system: replicas, url,
+    pid, fleet_pid, config, and ``floor`` True for the floor."""
     with contextlib.ExitStack() as stack:
         out = []
         for n in sizes:
@@ -174,8 +184,14 @@ def systems(sizes: list[int], log_dir: Path):
             server = gateway_server(log_dir, [], ["--config", str(config)])
             (url,) = stack.enter_context(running([server]))
             out.append({"replicas": n, "url": url, "pid": server.pid, "fleet_pid": fleet_pid, "config": config})
+            if n == min(sizes):
+                floor = Floor().server(urls, log_dir)
+                (floor_url,) = stack.enter_context(running([floor]))
+                out.append({"replicas": n, "url": floor_url, "pid": floor.pid, "fleet_pid": fleet_pid,
+                            "config": config, "floor": True})
         for s in out:
-            wait_on_ring(s["url"], s["replicas"])
+            if not s.get("floor"):
+                wait_on_ring(s["url"], s["replicas"])
         yield out
 
 
@@ -184,7 +200,7 @@ def snapshot(gateways: list[dict]) -> tuple[float, float, float]:
     of this benchmark's processes: the gateways, the fleets and this one)."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
     busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
-    ours = sum(cpu_seconds(g[k]) for g in gateways for k in ("pid", "fleet_pid")) + sum(os.times()[:2])
+    ours = sum(map(cpu_seconds, {g[k] for g in gateways for k in ("pid", "fleet_pid")})) + sum(os.times()[:2])
     return time.monotonic(), busy, ours
 
 
@@ -213,6 +229,8 @@ def _median(rows: list[dict], key: str) -> float:
 
 
 def report_lines(cells: list[dict], idle: list[dict], facts: dict, args) -> list[str]:
+    floors = [c for c in cells if c.get("floor")]
+    cells = [c for c in cells if not c.get("floor")]
     idle_of = {i["replicas"]: i["gateway_pct"] for i in idle}
     for c in cells:  # less the gateway's idle rate over the cell's seconds
         c["net_cpu_ms"] = c["cpu_ms"] - 1e3 * idle_of[c["replicas"]] / 100 * c["elapsed_s"] / c["requests"]
@@ -244,6 +262,16 @@ def report_lines(cells: list[dict], idle: list[dict], facts: dict, args) -> list
               "|---|---|---|---|"]
     for text, value, net, goal in ratios(by, idle_of):
         lines.append(f"| {text} | {value} | {net} | {goal} |")
+    if floors:
+        sizes = sorted({c["tokens"] for c in floors})
+        median = {t: _median([c for c in floors if c["tokens"] == t], "cpu_ms") for t in sizes}
+        lines += ["", "The floor beside it, in the same turns: `bench/floor_proxy.py` forwarding the same requests to "
+                  "one replica of the smallest fleet, reading none of their bytes:", "",
+                  "| prompt tokens | floor CPU ms / request | each repetition |", "|---|---|---|"]
+        lines += [f"| {t:,} | {median[t]:.2f} | {', '.join(format(c['cpu_ms'], '.2f') for c in floors if c['tokens'] == t)} |"
+                  for t in sizes]
+        if len(sizes) > 1 and median[sizes[0]] > 0:
+            lines += ["", f"The floor's {sizes[-1]:,} / {sizes[0]:,} tokens: {median[sizes[-1]] / median[sizes[0]]:.2f}x."]
     if "elsewhere_idle_pct" in facts:
         lines += ["", f"Other processes on the machine (all its busy CPU in `/proc/stat` less this benchmark's "
                   f"processes'): {max(facts['elsewhere_idle_pct'], 0):.0f}% of one core on average while idle, "
@@ -301,20 +329,22 @@ def main(argv: list[str] | None = None) -> int:
     cells: list[dict] = []
     with systems(args.replicas, log_dir) as gateways:
         facts = gateway_facts(gateways[0]["config"])
-        print(f"{len(gateways)} gateways up; settling {args.settle_seconds:g} s, then idle for "
+        print(f"{len(gateways) - 1} gateways and the floor up; settling {args.settle_seconds:g} s, then idle for "
               f"{args.idle_seconds:g} s", flush=True)
         time.sleep(args.settle_seconds)
-        idle, facts["elsewhere_idle_pct"] = measure_idle(gateways, args.idle_seconds)
+        idle, facts["elsewhere_idle_pct"] = measure_idle([g for g in gateways if not g.get("floor")],
+                                                         args.idle_seconds)
         machine0 = snapshot(gateways)
         for rep in range(args.reps):
             for p in prompts:
                 for g in gateways:
                     cells.append({"rep": rep, **run_cell(g, p, args)})
                     c = cells[-1]
-                    print(f"rep {rep}: {c['replicas']} replicas, {c['tokens']:,} tokens: {c['cpu_ms']:.2f} ms CPU a "
+                    who = "the floor" if c.get("floor") else f"{c['replicas']} replicas"
+                    print(f"rep {rep}: {who}, {c['tokens']:,} tokens: {c['cpu_ms']:.2f} ms CPU a "
                           f"request, {c['requests_per_s']:.0f}/s, {c['errors']} errors", flush=True)
         facts["elsewhere_cells_pct"] = elsewhere(machine0, snapshot(gateways))
-        largest = max(gateways, key=lambda g: g["replicas"])
+        largest = max((g for g in gateways if not g.get("floor")), key=lambda g: g["replicas"])
         urls = json.loads(largest["config"].read_text())["replicas"]
         tasks = (background.measure(urls, log_dir, wait_on_ring, args.background_seconds)
                  if args.background_seconds > 0 else [])
