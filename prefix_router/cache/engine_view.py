@@ -195,7 +195,8 @@ class EngineView:
             # vLLM queues the event when the cache is reset and publishes it after its next step
             # (``Scheduler.update_from_output``): the requests in flight then store their blocks
             # after it, so their tallies stay
-            inflight, ghosts = dict(self._inflight), self._ghosts.copy()
+            inflight, ghosts = dict(self._inflight), self._ghosts
+            self._ghosts = OrderedDict()  # kept as they are: removals before the reset still tell
             self.clear()
             self._inflight, self._ghosts = inflight, ghosts
             if self.holders is not None:

@@ -30,7 +30,8 @@ class ShadowIndex:
 
     Blocks evicted lately are remembered (``match_ever``) as a second slot that sees the same
     touches with twice the capacity: what an LRU of ``capacity`` holds plus the ``capacity``
-    blocks it evicted last (ARC's ghost list) is what an LRU of twice the size holds."""
+    blocks it evicted last (ARC's ghost list) is what an LRU of twice the size holds. Generated
+    blocks take no room there, so it remembers somewhat more than that where outputs are long."""
 
     def __init__(self, capacity: int, holders: BlockTree | None = None) -> None:
         if capacity < 1:
@@ -50,10 +51,10 @@ class ShadowIndex:
         """Leading blocks of ``hashes`` believed cached (chained hashes: stop at the first miss)."""
         return self.holders.match(self.bit, hashes)
 
-    def insert(self, hashes: Sequence[BlockHash]) -> int:
+    def insert(self, hashes: Sequence[BlockHash]) -> tuple[int, int]:
         """Record the chain ``hashes`` as cached and most recently used; evict the least
-        recently used beyond capacity. Returns the leading blocks held before (``forget`` takes
-        back the rest if the request fails).
+        recently used beyond capacity. Returns the leading blocks held before, and held or
+        evicted lately before: what ``forget`` keeps if the request fails.
 
         The chain is touched tail first, so its first block ends most recent: vLLM frees a
         request's blocks tail first (``BlockPool.free_blocks`` on the reversed block list) and
@@ -61,8 +62,8 @@ class ShadowIndex:
         head. A chain longer than the capacity is cut to it first: its head is what the
         capacity would keep anyway.
         """
-        self.holders.insert(self._ever, hashes)
-        return self.holders.insert(self.bit, hashes)
+        ever = self.holders.insert(self._ever, hashes)
+        return self.holders.insert(self.bit, hashes), ever
 
     def add_output(self, num_blocks: int, prompt: Sequence[BlockHash]) -> None:
         """Account for a finished request's generated blocks, then its prompt's.
@@ -78,11 +79,12 @@ class ShadowIndex:
         self.holders.touch(self.bit, prompt)
         self.holders.touch(self._ever, prompt)
 
-    def forget(self, hashes: Sequence[BlockHash], start: int) -> None:
-        """Drop ``hashes[start:]`` (``insert``'s answer for a request that failed): the engine
-        never held them. Blocks they prefix go too: without them they can never be hit."""
-        self.holders.cut(self.bit, hashes, start)
-        self.holders.cut(self._ever, hashes, start)
+    def forget(self, hashes: Sequence[BlockHash], before: tuple[int, int]) -> None:
+        """Take back what ``insert(hashes)`` added for a request that failed (``before``: its
+        answer): the engine never held those blocks. Blocks they prefix go too: without them
+        they can never be hit."""
+        self.holders.cut(self.bit, hashes, before[0])
+        self.holders.cut(self._ever, hashes, before[1])
 
     def match_ever(self, hashes: Sequence[BlockHash]) -> int:
         """Leading blocks believed cached now or evicted lately: a prompt the replica held until

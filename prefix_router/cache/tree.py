@@ -38,7 +38,7 @@ __all__ = ["BlockTree"]
 
 
 class _Node:
-    __slots__ = ("run", "size", "depth", "parent", "children", "holds", "full")
+    __slots__ = ("run", "size", "depth", "parent", "children", "holds", "mask", "full")
 
     def __init__(self, run: bytes, depth: int, parent: _Node | None) -> None:
         self.run = run  # the blocks' hashes, packed 8 bytes each (native order)
@@ -47,6 +47,7 @@ class _Node:
         self.parent = parent
         self.children: dict[int, _Node] = {}  # first block's hash -> child
         self.holds: dict[int, _Hold] = {}  # replica bit -> its hold on this node
+        self.mask = 0  # bits holding any of it
         self.full = 0  # bits holding the whole run
 
 
@@ -204,15 +205,15 @@ class BlockTree:
         alive, pos = mask, 0
         while True:
             m = common_blocks(child.run, packed, pos, min(child.size, n - pos))
-            if len(child.holds) == child.full.bit_count():
-                partial = 0
-            else:  # some hold part of the run
+            partial = alive & child.mask & ~child.full  # those holding part of the run: looked at one by one
+            if partial:
                 ends: dict[int, int] = {}
-                for bit, hold in child.holds.items():
-                    if alive & bit and hold.n < child.size:
-                        depth = pos + min(hold.n, m)
-                        ends[depth] = ends.get(depth, 0) | bit
-                partial = sum(ends.values())
+                bits, holds = partial, child.holds
+                while bits:
+                    bit = bits & -bits
+                    bits ^= bit
+                    depth = pos + min(holds[bit].n, m)
+                    ends[depth] = ends.get(depth, 0) | bit
             gone = alive & ~child.full & ~partial
             if pos and gone:
                 out.append((gone, pos))
@@ -295,6 +296,7 @@ class BlockTree:
                 moved = _Hold(hold.n - at, hold.stamp)
                 moved.kids, hold.kids, hold.n = hold.kids, 1, at
                 tail.holds[bit] = moved
+                tail.mask |= bit
                 self._holders[bit].nodes.add(tail)
                 if moved.n == tail.size:
                     tail.full |= bit
@@ -310,6 +312,7 @@ class BlockTree:
         hold = node.holds.get(bit)
         if hold is None:
             node.holds[bit] = _Hold(n, 0)
+            node.mask |= bit
             holder.nodes.add(node)
             holder.blocks += n
             if node.parent is not self._root and node.parent is not None:
@@ -328,6 +331,7 @@ class BlockTree:
         holder = self._holders[bit]
         holder.blocks -= hold.n
         holder.nodes.discard(node)
+        node.mask &= ~bit
         node.full &= ~bit
         parent = node.parent
         if parent is not self._root and parent is not None:
@@ -351,10 +355,15 @@ class BlockTree:
         node.full = sum(bit for bit, hold in node.holds.items() if hold.n == n)
 
     def _drop_subtree(self, node: _Node, bit: int) -> None:
-        for child in list(node.children.values()):
-            if child.holds.get(bit) is not None:
-                self._drop_subtree(child, bit)
-        self._drop(node, bit)
+        """``_drop`` of ``node`` and of all it holds below, deepest first (a conversation is a
+        node a turn: no recursion a node)."""
+        order, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(child for child in n.children.values() if child.mask & bit)
+        for n in reversed(order):
+            self._drop(n, bit)
 
     def _remove(self, node: _Node) -> None:
         """Unlink a node nobody holds, with whatever is left below it."""

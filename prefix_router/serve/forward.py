@@ -208,7 +208,7 @@ class InFlight:
         r.prefill_blocks += self.prefill
         gw.metrics.inflight.labels(r.name).set(r.inflight)
         gw.admission.notify()  # this request's load is counted: the next waiter, if any, may go
-        self.added = r.shadow.insert(info.hashes)  # the leading blocks it held before
+        self.added = r.shadow.insert(info.hashes)  # what it held before, for forget
         self.view = r.stream.view if r.stream is not None and info.exact else None
         self.removals = self.view.note_routed(info.hashes) if self.view is not None else 0
         return self

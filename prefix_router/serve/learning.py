@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from prefix_router.misses.diagnosis import explain
 from prefix_router.misses.change_sites import redacted_excerpt
@@ -95,10 +96,13 @@ def _log_with_evictions(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome
                         to_tokens: float, **fields) -> None:
     """The request's log line, with the tokens its replica's KV events showed evicted while it
     was in flight (``evicted_in_flight_tokens``). vLLM publishes a step's events and its answers
-    at once, so the events of the step that scheduled the request may reach the gateway after
-    its answer: until the view shows the prompt's last block (which that step stores, unless it
-    was held), the line waits, at most ``kv_events.parity_grace_s``, stamped with the answer's time."""
+    at once, so a removal that made the engine's hit stop short of the prediction may reach the
+    gateway after the answer: such a line (the engine hit fewer blocks than predicted, and the
+    block where its hit stopped is not yet seen evicted) waits for that removal, at most
+    ``kv_events.parity_grace_s``, stamped with the answer's time; it may then come after lines
+    of later answers. Every other line is written at once."""
     view = outcome.view
+    predicted_blocks = outcome.decision.predicted_blocks
     written = False
 
     def write() -> None:
@@ -106,25 +110,26 @@ def _log_with_evictions(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome
         if written:
             return
         written = True
-        blocks = (view.evicted_since(info.hashes, outcome.decision.predicted_blocks, outcome.removals)
-                  if view is not None else ())
+        blocks = view.evicted_since(info.hashes, predicted_blocks, outcome.removals) if view is not None else ()
         _log(gw, inbound, evicted_in_flight_tokens=evicted_in_flight_tokens(
             blocks, cached_blocks, fields["predicted_cached_tokens"], to_tokens), **fields)
 
-    if view is None or not info.hashes or view.held_lately(info.hashes[-1]):
+    def explained() -> bool:
+        return cached_blocks in view.evicted_since(info.hashes, predicted_blocks, outcome.removals)
+
+    if view is None or cached_blocks >= predicted_blocks or explained():
         write()
         return
     fields["t"] = round(time.time(), 6)
-    task = asyncio.get_running_loop().create_task(_when_seen(view, info.hashes[-1], gw.config.kv_events.parity_grace_s,
-                                                             write))
+    task = asyncio.get_running_loop().create_task(_when(explained, gw.config.kv_events.parity_grace_s, write))
     gw.waiting_lines[task] = write
     task.add_done_callback(lambda done: gw.waiting_lines.pop(done, None))
 
 
-async def _when_seen(view, block, grace_s: float, write) -> None:
-    """``write()`` once ``view`` holds ``block``, or after ``grace_s``."""
+async def _when(ready: Callable[[], bool], grace_s: float, write: Callable[[], None]) -> None:
+    """``write()`` once ``ready()``, or after ``grace_s``."""
     deadline = time.monotonic() + grace_s
-    while not view.held_lately(block) and time.monotonic() < deadline:
+    while not ready() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     write()
 
@@ -160,7 +165,7 @@ def evicted_in_flight_tokens(evicted_blocks: tuple[int, ...], cached_blocks: int
                              to_tokens: float) -> int:
     """Of the ``predicted_tokens`` a request was routed for, those the replica's KV events showed
     evicted while it waited to be scheduled: from the first block evicted in flight
-    (``Outcome.evicted_blocks``, ascending indices) at or past ``cached_blocks``, where the
+    (``EngineView.evicted_since``, ascending indices) at or past ``cached_blocks``, where the
     engine's hit stopped, to the prediction's end. A block evicted and stored again before the
     request was scheduled (another request recomputed it), or evicted after it was (vLLM preempts
     a running request and frees its blocks), did not stop the hit and counts for nothing.

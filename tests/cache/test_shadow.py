@@ -60,14 +60,27 @@ def test_reinserting_a_chain_touches_it_so_the_next_eviction_spares_it():
 def test_forget_takes_back_what_a_failed_request_added_and_keeps_what_was_held_before():
     index = ShadowIndex(10)
     chain = fresh(4)
-    assert index.insert(chain[:2]) == 0
+    assert index.insert(chain[:2]) == (0, 0)
     longer = chain + fresh(2)
     before = index.insert(longer)
-    assert before == 2
+    assert before == (2, 2)
     index.forget(longer, before)
     assert len(index) == 2 and index.match(longer) == 2
-    index.forget(fresh(3), 1)  # a chain it never held: nothing
+    index.forget(fresh(3), (1, 1))  # a chain it never held: nothing
     assert len(index) == 2
+
+
+def test_a_failed_request_takes_back_none_of_what_was_evicted_lately_before_it():
+    index = ShadowIndex(4)
+    old = fresh(4)
+    index.insert(old)
+    index.insert(fresh(4))  # pushes ``old`` out: still held lately
+    assert index.match(old) == 0 and index.match_ever(old) == 4
+    longer = old + fresh(2)
+    before = index.insert(longer)  # a request for it fails
+    assert before == (0, 4)
+    index.forget(longer, before)
+    assert index.match(longer) == 0 and index.match_ever(longer) == 4
 
 
 def test_resize_to_a_smaller_capacity_evicts_the_oldest_blocks_at_once():

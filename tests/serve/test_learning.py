@@ -207,14 +207,11 @@ async def test_the_request_log_line_holds_the_prediction_and_the_outcome_but_no_
 
 
 class LateView:
-    """A KV-event view whose events of the request's engine step come after its answer (vLLM
-    publishes both at once): the prompt's last block unseen until ``seen``."""
+    """A KV-event view whose removals come after the request's answer (vLLM publishes a step's
+    events and its answers at once): ``evicted`` is what it has shown so far."""
 
     def __init__(self) -> None:
-        self.seen, self.evicted = False, ()
-
-    def held_lately(self, block) -> bool:
-        return self.seen
+        self.evicted = ()
 
     def evicted_since(self, hashes, n: int, since: int) -> tuple[int, ...]:
         return tuple(i for i in self.evicted if i < n)
@@ -229,7 +226,7 @@ async def test_a_line_waits_for_the_events_that_show_what_was_evicted_while_its_
     learn(gw, inbound, info, outcome(gw, decision, usage(gw, info, cached_blocks=0), view=view))
     answered_at = time.time()
     assert path.read_text() == ""  # its events have not come
-    view.evicted, view.seen = (0, 1, 2), True  # they come: the whole prediction was evicted before it ran
+    view.evicted = (0, 1, 2)  # they come: the whole prediction was evicted before it ran
     await until(path.read_text)
     line = json.loads(path.read_text())
     assert line["evicted_in_flight_tokens"] == line["predicted_cached_tokens"] == 3 * gw.block_size
@@ -240,8 +237,19 @@ async def test_a_line_still_waiting_is_written_when_the_gateway_stops(gateway, t
     path = tmp_path / "requests.jsonl"
     gw = gateway(request_log=str(path), kv_events={"parity_grace_s": 30.0})
     inbound, info, decision = await routed(gw, chat())
+    decision = dataclasses.replace(decision, predicted_blocks=3, best_blocks=3)
     learn(gw, inbound, info, outcome(gw, decision, usage(gw, info, cached_blocks=0), view=LateView()))
+    assert path.read_text() == "" and gw.waiting_lines
     await flush_waiting_lines(gw)
+    assert json.loads(path.read_text())["evicted_in_flight_tokens"] == 0 and not gw.waiting_lines
+
+
+async def test_a_line_whose_prediction_held_is_written_at_once(gateway, tmp_path):
+    path = tmp_path / "requests.jsonl"
+    gw = gateway(request_log=str(path), kv_events={"parity_grace_s": 30.0})
+    inbound, info, decision = await routed(gw, chat())
+    decision = dataclasses.replace(decision, predicted_blocks=2, best_blocks=2)
+    learn(gw, inbound, info, outcome(gw, decision, usage(gw, info, cached_blocks=3), view=LateView()))
     assert json.loads(path.read_text())["evicted_in_flight_tokens"] == 0 and not gw.waiting_lines
 
 
