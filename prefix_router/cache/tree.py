@@ -1,28 +1,22 @@
 """The gateway's guess of every replica's cache in one radix tree of block-hash runs.
 
-Each replica's guess (``ShadowIndex``) was an LRU set of block hashes of its own: 256 replicas
-of 30,000 blocks, half a system prompt they all hold, took 813 MiB (``bench/results/choice``),
-and every routed 32k-token prompt touched 2,048 entries of it one by one. Chained hashes make a
-replica's blocks a set of paths from the root (a block held means its prefix held), so this
-tree keeps each distinct run of blocks once, as packed bytes (8 bytes a block), and what each
-replica holds as a count per node: the leading blocks of the node's run it holds. A shared
-prompt is one node whatever the fleet; a conversation is a node per turn.
+A per-replica LRU set of block hashes took 813 MiB at 256 replicas of 30,000 blocks, half a
+prompt they all hold, and a 32k-token prompt touched 2,048 entries of it one by one
+(``bench/results/choice``). Chained hashes make a replica's blocks a set of paths from the root,
+so this tree keeps each distinct run of blocks once, packed 8 bytes a block, and each replica's
+hold on a node as a count: the leading blocks of the node's run it holds. A prompt every
+replica holds is one node; a conversation is a node a turn. A lookup starts at a prompt's first
+block (a chained hash names its whole prefix).
 
-- ``drops`` walks a prompt once for every replica (``Holders.drops``' contract): a node's run
-  is compared with the prompt by ``bytes.startswith`` in C, so a long prompt costs a few
-  comparisons, not a dictionary lookup a block.
+- ``drops`` walks a prompt once for every replica (``Holders.drops``' contract), comparing a
+  node's run with the prompt by ``bytes.startswith`` in C: a comparison a node, not a lookup a block.
 - LRU, exact per block: vLLM frees a request's blocks tail first and evicts the least recently
-  freed (``vllm/v1/core/block_pool.py``), so a touch gives a whole chain one stamp with its tail
-  oldest, and a prefix is never touched later than what it prefixes. The least recent block of
-  a replica is therefore the last block of one of its leaves (a node it holds no child of);
-  a heap of leaves by (stamp, -depth) per replica finds it, and eviction trims that leaf's
-  count. A touch that ends inside a node the replica holds further splits the node there, so
-  a count's blocks always share a stamp.
-- Blocks of generated tokens take capacity but are never matched: a FIFO of counts per replica.
-
-Memory: a node is about 600 bytes of Python objects plus its run, and a replica's hold on it
-about 100 (``python -m bench choice`` measures it). A lookup must start at a prompt's first
-block: a chained hash names its whole prefix, so every caller's hashes do.
+  freed (``vllm/v1/core/block_pool.py``), so a touch gives a chain one stamp, its tail oldest,
+  and a prefix is touched at least as late as what it prefixes. A replica's least recent block
+  is then the last of one of its leaves (a node it holds no child of): a heap of its leaves by
+  (stamp, -depth) finds it, and eviction trims that leaf. A touch ending inside a replica's
+  hold splits the node there, so a hold's blocks share a stamp.
+- Generated tokens' blocks take capacity and are never matched: a FIFO of counts per replica.
 """
 
 from __future__ import annotations
@@ -57,9 +51,7 @@ class _Hold:
     __slots__ = ("n", "stamp", "kids")
 
     def __init__(self, n: int, stamp: int) -> None:
-        self.n = n
-        self.stamp = stamp
-        self.kids = 0  # children of the node this replica holds blocks of
+        self.n, self.stamp, self.kids = n, stamp, 0  # kids: children of the node it holds blocks of
 
 
 class _Holder:
@@ -68,9 +60,8 @@ class _Holder:
     def __init__(self, bit: int, capacity: int) -> None:
         self.bit = bit
         self.capacity = capacity
-        self.blocks = 0  # blocks held in the tree
+        self.blocks, self.opaque_n = 0, 0  # blocks held in the tree; generated blocks held
         self.opaque: deque[list[int]] = deque()  # [stamp, count] of generated blocks, oldest first
-        self.opaque_n = 0
         self.heap: list[tuple[int, int, int, _Node]] = []  # (stamp, -end depth, id, node) of its leaves, lazily
         self.nodes: set[_Node] = set()  # nodes it holds blocks of
 
@@ -355,8 +346,7 @@ class BlockTree:
         node.full = sum(bit for bit, hold in node.holds.items() if hold.n == n)
 
     def _drop_subtree(self, node: _Node, bit: int) -> None:
-        """``_drop`` of ``node`` and of all it holds below, deepest first (a conversation is a
-        node a turn: no recursion a node)."""
+        """``_drop`` of ``node`` and all it holds below, deepest first, without recursion (a node a turn)."""
         order, stack = [], [node]
         while stack:
             n = stack.pop()
