@@ -268,10 +268,12 @@ def report_lines(cells: list[dict], idle: list[dict], facts: dict, args) -> list
         lines += ["", "The floor beside it, in the same turns: `bench/floor_proxy.py` forwarding the same requests to "
                   "one replica of the smallest fleet, reading none of their bytes:", "",
                   "| prompt tokens | floor CPU ms / request | each repetition |", "|---|---|---|"]
-        lines += [f"| {t:,} | {median[t]:.2f} | {', '.join(format(c['cpu_ms'], '.2f') for c in floors if c['tokens'] == t)} |"
-                  for t in sizes]
+        for t in sizes:
+            each = ", ".join(format(c["cpu_ms"], ".2f") for c in floors if c["tokens"] == t)
+            lines.append(f"| {t:,} | {median[t]:.2f} | {each} |")
         if len(sizes) > 1 and median[sizes[0]] > 0:
-            lines += ["", f"The floor's {sizes[-1]:,} / {sizes[0]:,} tokens: {median[sizes[-1]] / median[sizes[0]]:.2f}x."]
+            ratio = median[sizes[-1]] / median[sizes[0]]
+            lines += ["", f"The floor's {sizes[-1]:,} / {sizes[0]:,} tokens: {ratio:.2f}x."]
     if "elsewhere_idle_pct" in facts:
         lines += ["", f"Other processes on the machine (all its busy CPU in `/proc/stat` less this benchmark's "
                   f"processes'): {max(facts['elsewhere_idle_pct'], 0):.0f}% of one core on average while idle, "

@@ -22,8 +22,8 @@ from typing import NewType
 
 import xxhash
 
-__all__ = ["BlockHash", "seed_hash", "extend_block_hashes", "block_hashes", "text_block_hashes", "packed_hashes",
-           "common_blocks"]
+__all__ = ["BlockHash", "seed_hash", "extend_block_hashes", "block_hashes", "text_block_hashes",
+           "packed_hashes", "common_blocks"]
 
 BlockHash = NewType("BlockHash", int)
 

@@ -1,16 +1,18 @@
-"""The fleet's cache picture in one map: block hash -> the replicas whose index holds it.
+"""The engines' views of the fleet in one map: block hash -> the replicas whose view holds it;
+and ``match_all``, the one walk of a prompt for every replica, whatever structure holds them.
 
 Matching a prompt against each replica's index on its own costs replicas x matched blocks: a
 shared 32k-token prompt in front of 256 replicas is half a million lookups a request. SGLang's
 gateway (one radix tree whose nodes carry the workers holding them), NVIDIA Dynamo's KV router
-and llm-d's KV-block index keep one index for the fleet instead. ``Holders`` is that index for
-this gateway's chained block hashes: each replica's index (``ShadowIndex``, ``EngineView``)
-reports a block when it starts or stops holding it, and ``drops`` walks a prompt's blocks once,
-with one bit a replica, stopping at the first block no candidate holds. Chained hashes make a
-held block's prefix held too, so a replica's depth is where its bit first drops out.
+and llm-d's KV-block index keep one index for the fleet instead. The gateway's guesses live in
+one ``BlockTree`` (``cache/tree.py``); the engines' views (``EngineView``), whose blocks come and
+go by the engine's events in any order, report a block here when it starts or stops matching,
+and ``drops`` walks a prompt's blocks once, with one bit a replica, stopping at the first block
+no candidate holds. Chained hashes make a held block's prefix held too, so a replica's depth is
+where its bit first drops out.
 
-Each index stays the truth of what its replica holds (its LRU order, ghosts, counts and blocks in
-flight); this map mirrors only membership, so its answer equals every index's own ``match``
+Each view stays the truth of what its engine holds (counts, ghosts and blocks in flight); this
+map mirrors only membership, so its answer equals every view's own ``match``
 (``tests/cache/test_holders.py`` holds the two equal under random operations).
 
 Memory: one dict entry a distinct block held anywhere, its value an int of one bit a replica.
@@ -34,7 +36,8 @@ _HOLDERS, _BIT = attrgetter("holders"), attrgetter("bit")
 
 
 class Index(Protocol):
-    """A replica's index as ``match_all`` reads it (``ShadowIndex``, ``EngineView``)."""
+    """A replica's index as ``match_all`` reads it (a ``ShadowIndex`` in a ``BlockTree``, an
+    ``EngineView`` in ``Holders``)."""
 
     holders: Holders | BlockTree | None
     bit: int

@@ -58,8 +58,8 @@ class PerBlockLRU:
 def _prompts(rng: random.Random) -> list[list[int]]:
     """Prompts sharing prefixes: documents continued several ways, some ending inside others."""
     docs = [[rng.randrange(40) for _ in range(BLOCK * rng.randrange(1, 7))] for _ in range(3)]
-    return [doc[: BLOCK * rng.randrange(1, len(doc) // BLOCK + 1)] + [rng.randrange(40) for _ in range(BLOCK * rng.randrange(0, 5))]
-            for doc in docs for _ in range(4)]
+    return [doc[: BLOCK * rng.randrange(1, len(doc) // BLOCK + 1)]
+            + [rng.randrange(40) for _ in range(BLOCK * rng.randrange(0, 5))] for doc in docs for _ in range(4)]
 
 
 @pytest.mark.parametrize("seed", range(150))
