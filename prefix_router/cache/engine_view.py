@@ -55,10 +55,14 @@ class EngineView:
         self._inflight: dict[BlockHash, int] = {}
         self._released: OrderedDict[BlockHash, float] = OrderedDict()
         self.removals = 0  # blocks removed, ever
+        # a removal's stamp: removals between two routings share one (one int object, not one a
+        # ghost), and a routing that follows a removal moves it on, so that ``note_routed``'s
+        # answer (``_since``) is below every later removal's stamp and not below an earlier one's
+        self._since, self._stamp, self._stamp_used = 0, 1, False
         self._engine: dict[EngineHash, list] = {}  # engine hash -> [gateway hash, count]
         self._blocks: dict[BlockHash, int] = {}  # gateway hash -> engine hashes holding it
         # the blocks removed lately, newest last, at most ``max_ghosts``, each with its last
-        # removal's number (in ``removals``): for ``held_lately``, and for ``evicted_since``: a
+        # removal's stamp (``_stamp``): for ``held_lately``, and for ``evicted_since``: a
         # request routed before a removal of a block it wants recomputes it, though predicted
         # held. Kept when the block is stored again and after the request ends: vLLM publishes a
         # step's events and its answers at once, so a removal may reach the gateway after the
@@ -85,18 +89,20 @@ class EngineView:
 
     def note_routed(self, hashes: Sequence[BlockHash]) -> int:
         """Count a request's blocks as held from the moment it is sent until it ends. Returns
-        the number of removals so far, for ``evicted_since``."""
+        the stamp of the removals so far, for ``evicted_since``."""
         inflight = self._inflight
         for h in hashes:
             inflight[h] = inflight.get(h, 0) + 1
         if self.holders is not None:
             for h in hashes:
                 self.holders.add(h, self.bit)
-        return self.removals
+        if self._stamp_used:  # the removals so far came before this request; later ones get a new stamp
+            self._since, self._stamp, self._stamp_used = self._stamp, self._stamp + 1, False
+        return self._since
 
     def evicted_since(self, hashes: Sequence[BlockHash], n: int, since: int) -> tuple[int, ...]:
         """Which of the leading ``n`` blocks of a request in flight (their indices, ascending) the
-        engine evicted after removal number ``since`` (``note_routed``'s answer). vLLM evicts free
+        engine evicted after it was sent (``since``: ``note_routed``'s answer). vLLM evicts free
         blocks to make room for other requests' (``kv_cache_utils.FreeKVCacheBlockQueue``, tail
         blocks first): one queued behind them finds less of its prefix than it was routed for. A
         block evicted may be stored again before the request is scheduled (another request
@@ -264,6 +270,7 @@ class EngineView:
         self.removals += 1
         ghosts = self._ghosts
         ghosts.pop(h, None)
-        ghosts[h] = self.removals
+        ghosts[h] = self._stamp  # after every request routed so far
+        self._stamp_used = True
         if len(ghosts) > self.max_ghosts:
             ghosts.popitem(last=False)

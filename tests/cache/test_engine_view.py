@@ -150,8 +150,25 @@ def test_blocks_evicted_while_a_request_waits_are_told_apart_from_those_evicted_
     # and the block stored again by the request's own prefill, still tell it was evicted
     v.apply(BlockRemoved([41]))
     through_the_wire(v, stored([51, 52], None, tokens[:8]))
-    assert v.evicted_since(ours, 3, since) == (0, 1, 2) and v.evicted_since(ours, 3, v.removals) == ()
+    assert v.evicted_since(ours, 3, since) == (0, 1, 2) and v.evicted_since(ours, 3, v.note_routed([])) == ()
     assert v.held_lately(ours[0]) and v.held_lately(ours[1])
+
+
+def test_removals_between_two_routings_share_one_stamp():
+    """A busy replica's view holds ``max_ghosts`` removed blocks: a removal number of their own
+    would be an int object each."""
+    v = view()
+    tokens = list(range(500, 500 + 64 * BS))
+    ours = block_hashes(tokens, BS, seed(None, None))
+    engine = list(range(1000, 1064))
+    through_the_wire(v, stored(engine, None, tokens))
+    first = v.note_routed(ours[:1])
+    v.apply(BlockRemoved(engine[32:]))
+    second = v.note_routed(ours[:1])
+    v.apply(BlockRemoved(engine[1:32]))
+    assert len({id(stamp) for stamp in v._ghosts.values()}) == 2
+    assert v.evicted_since(ours, 64, first) == tuple(range(1, 64))
+    assert v.evicted_since(ours, 64, second) == tuple(range(1, 32))
 
 
 def test_the_tokens_evicted_in_flight_run_from_the_evicted_block_where_the_engines_hit_stopped():
