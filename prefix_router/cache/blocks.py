@@ -89,16 +89,19 @@ def block_hashes(token_ids: Sequence[int], block_size: int, seed: BlockHash) -> 
 _last_packed: tuple[Sequence[int] | None, int, bytes] = (None, 0, b"")
 
 
-def packed_hashes(hashes: Sequence[BlockHash]) -> bytes:
-    """``hashes`` as 8 bytes each (native order): a run of blocks compared in C (``cache/tree.py``).
-    The last list's bytes are kept, with the list itself (so its identity cannot pass to another
-    list): one request's hashes are matched, inserted and touched by several calls."""
+def packed_hashes(hashes: Sequence[BlockHash], n: int) -> bytes:
+    """The first ``n`` (at least) of ``hashes`` as 8 bytes each (native order): a run of blocks
+    compared in C (``cache/tree.py``); callers read no further than ``n`` (a huge prompt is
+    matched and held only up to a replica's capacity). The last list's bytes are kept, with the
+    list itself (so its identity cannot pass to another list): one request's hashes are matched,
+    inserted and touched by several calls."""
     global _last_packed
     last = _last_packed
-    if last[0] is hashes and last[1] == len(hashes):
+    if last[0] is hashes and last[1] >= n:
         return last[2]
-    packed = struct.pack(f"={len(hashes)}Q", *hashes)
-    _last_packed = (hashes, len(hashes), packed)
+    n = min(n, len(hashes))
+    packed = struct.pack(f"={n}Q", *(hashes[:n] if n < len(hashes) else hashes))
+    _last_packed = (hashes, n, packed)
     return packed
 
 

@@ -149,8 +149,8 @@ class BlockTree:
     def cut(self, bit: int, hashes: Sequence[BlockHash], start: int) -> None:
         """The replica of ``bit`` no longer holds ``hashes[start:]`` (nor what they prefix)."""
         holder = self._holders[bit]
-        packed = packed_hashes(hashes)
-        node, pos, n = self._root, 0, len(hashes)
+        node, pos, n = self._root, 0, min(len(hashes), holder.capacity)  # it holds no more than that
+        packed = packed_hashes(hashes, n)
         while pos < n:
             child = node.children.get(hashes[pos])
             if child is None:
@@ -192,7 +192,7 @@ class BlockTree:
         child = self._root.children.get(hashes[0])
         if child is None:
             return out
-        packed = packed_hashes(hashes)
+        packed = packed_hashes(hashes, n)
         alive, pos = mask, 0
         while True:
             m = common_blocks(child.run, packed, pos, min(child.size, n - pos))
@@ -229,7 +229,7 @@ class BlockTree:
         if n == 0:
             self._evict(holder)
             return 0
-        packed = packed_hashes(hashes)
+        packed = packed_hashes(hashes, n)
         self._clock += 1
         stamp = self._clock
         node, pos, before, last = self._root, 0, 0, None
