@@ -4,7 +4,8 @@ a client rewrote text it had sent before, and say what each cost and how to fix 
 Input: a request log (``replay/workloads.load_request_log``): OpenAI request bodies one a line,
 optionally with a ``session`` field, or the gateway's request log written with
 ``request_log_bodies: true``. Requests are grouped into conversations as the gateway groups
-them (session, else model, cache salt and first user message) and taken in file order.
+them (session, else model, cache salt and first user message) and taken in the order they
+were answered (their lines' ``t``), else in file order.
 
 For each request, with one prefix cache of unbounded size in front of everything before it
 (the best APC could do; a real KV cache evicts and a router may split conversations, so real

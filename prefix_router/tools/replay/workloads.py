@@ -202,10 +202,12 @@ def _logged_request(line: dict) -> tuple[str, dict, str | None, float | None] | 
 
 
 def load_request_log(path: str | Path) -> list[ReplayRequest]:
-    """The requests of a request log (see the module docstring), in file order; each request's
-    ``meta`` holds its ``line`` (1-based). Raises ``ValueError`` for a line that is
-    not JSON, or a file with no request body (a gateway log written without
-    ``request_log_bodies``)."""
+    """The requests of a request log (see the module docstring) in the order they were answered:
+    by ``t`` where lines carry it (the gateway stamps a line with its answer's time, and a line
+    that waits for its replica's KV events may be written after later answers' lines), else, and
+    among equal times, in file order; each request's ``meta`` holds its ``line`` (1-based).
+    Raises ``ValueError`` for a line that is not JSON, or a file with no request body (a gateway
+    log written without ``request_log_bodies``)."""
     from prefix_router.prompts.analysis import conversation_id
 
     requests: list[ReplayRequest] = []
@@ -213,6 +215,8 @@ def load_request_log(path: str | Path) -> list[ReplayRequest]:
     t0 = None
     content = Path(path).read_text(encoding="utf-8")
     lines = content.splitlines()
+    entries = []  # (answer time, line number, parsed line)
+    last_t = float("-inf")
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
@@ -227,7 +231,10 @@ def load_request_log(path: str | Path) -> list[ReplayRequest]:
         parsed = _logged_request(line) if isinstance(line, dict) else None
         if parsed is None:
             continue
-        route, body, session, t = parsed
+        last_t = parsed[3] if parsed[3] is not None else last_t  # a line without ``t`` stays after the one before
+        entries.append((last_t, number, parsed))
+    entries.sort(key=lambda entry: entry[:2])
+    for _, number, (route, body, session, t) in entries:
         session = session or conversation_id(body, None) or f"#{number}"
         t0 = t if t0 is None and t is not None else t0
         turn = turns[session] = turns.get(session, -1) + 1

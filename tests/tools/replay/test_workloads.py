@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from prefix_router.tools.replay.workloads import (CHAT, COMPLETIONS, load_mooncake, load_trajectories, token_text,
-                                     trajectory_messages)
+from prefix_router.tools.replay.workloads import (CHAT, COMPLETIONS, load_mooncake, load_request_log,
+                                                  load_trajectories, token_text, trajectory_messages)
 from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from ...helpers import agent_traces
@@ -174,3 +174,18 @@ def test_the_shared_agent_traces_load_as_append_only_chat_sessions(tmp_path):
             tokenizer.render_chat(req.body["messages"])
         for prev, nxt in zip(turns, turns[1:]):
             assert is_prefix(prev.body["messages"], nxt.body["messages"])
+
+
+def test_a_request_log_is_read_in_the_order_its_requests_were_answered(tmp_path):
+    """The gateway stamps a line with its answer's time, and a line that waits for its replica's
+    KV events may land after lines of later answers: turns follow ``t``, not the file."""
+    first = {"messages": [{"role": "user", "content": "hi"}], "session": "s"}
+    second = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"},
+                           {"role": "user", "content": "more"}], "session": "s"}
+    path = tmp_path / "requests.jsonl"
+    path.write_text(json.dumps({"t": 10.5, "body": second, "session": "s"}) + "\n"
+                    + json.dumps({"t": 10.0, "body": first, "session": "s"}) + "\n"
+                    + json.dumps({"body": first, "session": "other"}) + "\n")
+    requests = load_request_log(path)
+    # a line without ``t`` keeps its place after the line before it
+    assert [(r.session, r.turn, r.meta["line"]) for r in requests] == [("s", 0, 2), ("other", 0, 3), ("s", 1, 1)]
