@@ -105,23 +105,28 @@ def _log_with_evictions(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome
     predicted_blocks = outcome.decision.predicted_blocks
     written = False
 
-    def write() -> None:
+    def evicted() -> tuple[int, ...]:
+        return view.evicted_since(info.hashes, predicted_blocks, outcome.removals)
+
+    def write(blocks: tuple[int, ...] | None = None) -> None:
         nonlocal written
         if written:
             return
         written = True
-        blocks = view.evicted_since(info.hashes, predicted_blocks, outcome.removals) if view is not None else ()
         _log(gw, inbound, evicted_in_flight_tokens=evicted_in_flight_tokens(
-            blocks, cached_blocks, fields["predicted_cached_tokens"], to_tokens), **fields)
+            evicted() if blocks is None else blocks, cached_blocks, fields["predicted_cached_tokens"], to_tokens),
+            **fields)
 
-    def explained() -> bool:
-        return cached_blocks in view.evicted_since(info.hashes, predicted_blocks, outcome.removals)
-
-    if view is None or cached_blocks >= predicted_blocks or explained():
-        write()
+    if view is None or cached_blocks >= predicted_blocks:  # no block past the hit was predicted: none to explain
+        write(())
+        return
+    blocks = evicted()
+    if cached_blocks in blocks:
+        write(blocks)
         return
     fields["t"] = round(time.time(), 6)
-    task = asyncio.get_running_loop().create_task(_when(explained, gw.config.kv_events.parity_grace_s, write))
+    task = asyncio.get_running_loop().create_task(
+        _when(lambda: cached_blocks in evicted(), gw.config.kv_events.parity_grace_s, write))
     gw.waiting_lines[task] = write
     task.add_done_callback(lambda done: gw.waiting_lines.pop(done, None))
 

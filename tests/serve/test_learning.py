@@ -217,13 +217,20 @@ class LateView:
         return tuple(i for i in self.evicted if i < n)
 
 
-async def test_a_line_waits_for_the_events_that_show_what_was_evicted_while_its_request_waited(gateway, tmp_path):
-    path = tmp_path / "requests.jsonl"
+async def learned_late(gateway, path, predicted: int, cached: int, view: LateView) -> Gateway:
+    """A gateway logging to ``path`` that learned one answer: ``predicted`` blocks routed for,
+    ``cached`` hit, the replica's KV events ``view`` (a line waits up to 30 s for them)."""
     gw = gateway(request_log=str(path), kv_events={"parity_grace_s": 30.0})
     inbound, info, decision = await routed(gw, chat())
-    decision = dataclasses.replace(decision, predicted_blocks=3, best_blocks=3)
+    decision = dataclasses.replace(decision, predicted_blocks=predicted, best_blocks=predicted)
+    learn(gw, inbound, info, outcome(gw, decision, usage(gw, info, cached_blocks=cached), view=view))
+    return gw
+
+
+async def test_a_line_waits_for_the_events_that_show_what_was_evicted_while_its_request_waited(gateway, tmp_path):
+    path = tmp_path / "requests.jsonl"
     view = LateView()
-    learn(gw, inbound, info, outcome(gw, decision, usage(gw, info, cached_blocks=0), view=view))
+    gw = await learned_late(gateway, path, predicted=3, cached=0, view=view)
     answered_at = time.time()
     assert path.read_text() == ""  # its events have not come
     view.evicted = (0, 1, 2)  # they come: the whole prediction was evicted before it ran
@@ -235,10 +242,7 @@ async def test_a_line_waits_for_the_events_that_show_what_was_evicted_while_its_
 
 async def test_a_line_still_waiting_is_written_when_the_gateway_stops(gateway, tmp_path):
     path = tmp_path / "requests.jsonl"
-    gw = gateway(request_log=str(path), kv_events={"parity_grace_s": 30.0})
-    inbound, info, decision = await routed(gw, chat())
-    decision = dataclasses.replace(decision, predicted_blocks=3, best_blocks=3)
-    learn(gw, inbound, info, outcome(gw, decision, usage(gw, info, cached_blocks=0), view=LateView()))
+    gw = await learned_late(gateway, path, predicted=3, cached=0, view=LateView())
     assert path.read_text() == "" and gw.waiting_lines
     await flush_waiting_lines(gw)
     assert json.loads(path.read_text())["evicted_in_flight_tokens"] == 0 and not gw.waiting_lines
@@ -246,10 +250,7 @@ async def test_a_line_still_waiting_is_written_when_the_gateway_stops(gateway, t
 
 async def test_a_line_whose_prediction_held_is_written_at_once(gateway, tmp_path):
     path = tmp_path / "requests.jsonl"
-    gw = gateway(request_log=str(path), kv_events={"parity_grace_s": 30.0})
-    inbound, info, decision = await routed(gw, chat())
-    decision = dataclasses.replace(decision, predicted_blocks=2, best_blocks=2)
-    learn(gw, inbound, info, outcome(gw, decision, usage(gw, info, cached_blocks=3), view=LateView()))
+    gw = await learned_late(gateway, path, predicted=2, cached=3, view=LateView())
     assert json.loads(path.read_text())["evicted_in_flight_tokens"] == 0 and not gw.waiting_lines
 
 
