@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from prefix_router.fleet.admission import Admission
-from prefix_router.cache.holders import Holders
+from prefix_router.cache.engine_map import EngineMap
 from prefix_router.cache.tree import BlockTree
 from prefix_router.cache.shadow import ShadowIndex
 from prefix_router.fleet.breaker import CircuitBreaker
@@ -88,8 +88,8 @@ class Gateway:
         self.response_homes = ResponseHomes(config.index.max_responses, config.index.response_history_mb * 1_000_000)
         # the fleet's picture in one structure each, so a prompt is matched in one walk: the shadow
         # indexes' guesses in one tree (cache/tree.py), the engines' views built from KV events in
-        # one map (cache/holders.py)
-        self.shadow_holders, self.engine_holders = BlockTree(), Holders()
+        # one map (cache/engine_map.py)
+        self.shadow_holders, self.engine_holders = BlockTree(), EngineMap()
         self.replicas: dict[str, ReplicaState] = {}
         for rc in config.replicas:
             self.add_replica(rc)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.commands.choice import INDEXES, main, measure_memory, time_choice
+from bench.commands.choice import INDEXES, VIEWS, main, measure_memory, time_choice
 
 
 def test_a_cell_times_the_choice_with_each_kind_of_index():
@@ -15,11 +15,13 @@ def test_a_cell_times_the_choice_with_each_kind_of_index():
 def test_memory_counts_every_block_each_replica_holds():
     """Half the blocks are one prompt every replica holds: the per-block indexes store it once per
     replica, the tree once."""
-    memory = {kind: measure_memory(replicas=8, blocks=256, kind=kind, fleet_map=True) for kind in INDEXES}
-    memory["engine"] = measure_memory(replicas=8, blocks=256, kind="engine", fleet_map=True)
-    assert all(m["entries"] == 8 * 256 for m in memory.values())
+    memory = {kind: measure_memory(replicas=8, blocks=2048, kind=kind) for kind in (*INDEXES, *VIEWS) if kind != "engine"}
+    memory["views"] = measure_memory(replicas=8, blocks=2048, kind="engine")
+    assert all(m["entries"] == 8 * 2048 for m in memory.values())
     assert 0 < memory["per-block"]["bytes"] < memory["per-block+map"]["bytes"]  # the map is counted
+    assert 0 < memory["engine-per-block"]["bytes"] < memory["engine-per-block+map"]["bytes"]
     assert memory["tree"]["bytes"] < memory["per-block"]["bytes"] / 4
+    assert memory["views"]["bytes"] < memory["engine-per-block"]["bytes"] / 4
 
 
 def test_the_command_writes_its_results_folder(tmp_path):

@@ -11,8 +11,10 @@ choices), no gateway and no HTTP: the policy's own cost.
 
 Memory (``--memory-replicas`` x ``--memory-blocks``, half the blocks shared by every replica):
 the bytes ``tracemalloc`` sees allocated while the indexes are built, for the gateway's own
-guess (``ShadowIndex``) and for the engine's picture (``EngineView``, fed ``BlockStored``
-events as vLLM publishes them). Defaults: 256 replicas of 30,000 blocks, an H100 serving an 8B
+guess (``ShadowIndex``) and for the engine's picture (``EngineView`` in the fleet's
+``EngineMap``, fed ``BlockStored`` events as vLLM publishes them, engine hashes random as without
+a shared ``PYTHONHASHSEED``), each beside the per-block index it replaced (``bench/per_block.py``,
+``bench/per_block_view.py``). Defaults: 256 replicas of 30,000 blocks, an H100 serving an 8B
 model in 16-token blocks.
 
     python -m bench choice [--replicas 4,16,64,256] [--blocks 128,2048] [--reps 30]
@@ -31,9 +33,9 @@ import tracemalloc
 from pathlib import Path
 
 from prefix_router.cache.blocks import BlockHash, block_hashes, seed_hash
+from prefix_router.cache.engine_map import EngineMap
 from prefix_router.cache.engine_view import EngineView
 from prefix_router.cache.events import BlockStored
-from prefix_router.cache.holders import Holders
 from prefix_router.cache.shadow import ShadowIndex
 from prefix_router.cache.tree import BlockTree
 from prefix_router.config import RoutingConfig
@@ -43,7 +45,8 @@ from prefix_router.routing.prefix_stats import BranchStats
 from prefix_router.routing.ring import Ring
 
 from .. import RESULTS
-from ..per_block import PerBlockIndex
+from ..per_block import Holders, PerBlockIndex
+from ..per_block_view import PerBlockEngineView
 from ..report import command_line, write_results
 
 BLOCK_SIZE = 16  # vLLM's default on CUDA
@@ -54,6 +57,9 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+SEED = seed_hash("model")
+
+
 def _chain(rng: random.Random, n: int) -> list[BlockHash]:
     """``n`` block hashes: random, as only their identity matters to a match."""
     return [BlockHash(rng.getrandbits(63)) for _ in range(n)]
@@ -61,20 +67,45 @@ def _chain(rng: random.Random, n: int) -> list[BlockHash]:
 
 # the indexes compared: a dictionary entry a block per replica, each walked on its own (as when
 # issue 41 was filed); the same reporting into one ``Holders`` map, matched in one walk (before
-# the tree); the gateway's ``ShadowIndex`` in one ``BlockTree``
+# the tree); the gateway's ``ShadowIndex`` in one ``BlockTree``; the engines' ``EngineView``s in
+# one ``EngineMap`` (the walk when KV events are followed)
 INDEXES = {"per-block": "per-block LRU sets, each walked", "per-block+map": "per-block sets and the fleet map",
-           "tree": "one tree (ShadowIndex)"}
+           "tree": "one tree (ShadowIndex)", "engine": "engine views in one map (EngineView, KV events)"}
+# the engines' pictures measured for memory: as before the map (``bench/per_block_view.py``),
+# alone and reporting into a ``Holders`` map as the gateway had them; in one ``EngineMap``
+VIEWS = {"engine-per-block": "EngineView before the map: per-block dicts",
+         "engine-per-block+map": "EngineView before the map, with the fleet's Holders map",
+         "engine": "EngineView in one EngineMap"}
 
 
 def _index(kind: str, capacity: int, shared):
     """A factory of one replica's index of ``kind``, all of them sharing ``shared`` (a map or a tree)."""
     if kind == "tree":
         return ShadowIndex(capacity, shared)
+    if kind.startswith("engine"):
+        view = PerBlockEngineView if kind.startswith("engine-per-block") else EngineView
+        return view(BLOCK_SIZE, lambda lora, salt: SEED, max_blocks=2 * capacity, holders=shared)
     return PerBlockIndex(capacity, shared if kind == "per-block+map" else None)
 
 
 def _shared(kind: str):
-    return BlockTree() if kind == "tree" else Holders() if kind == "per-block+map" else None
+    if kind in ("per-block+map", "engine-per-block+map"):
+        return Holders()
+    return BlockTree() if kind == "tree" else EngineMap() if kind == "engine" else None
+
+
+def _hold(index, rng: random.Random, tokens: list[int], shared: list[BlockHash] | None = None,
+          parent: int | None = None) -> int | None:
+    """``index`` holds ``tokens``, after the ``shared`` blocks when given (``parent``: the engine
+    hash of their last block): a guess inserts the blocks' hashes, a view applies one
+    ``BlockStored`` as vLLM publishes it. Returns the engine hash of the last block."""
+    if isinstance(index, (EngineView, PerBlockEngineView)):
+        event = _stored(rng, tokens, parent)
+        index.apply(event)
+        return event.block_hashes[-1]
+    seed = shared[-1] if shared else SEED
+    index.insert((shared or []) + block_hashes(tokens, BLOCK_SIZE, seed))
+    return None
 
 
 def time_choice(replicas: int, blocks: int, own: int, reps: int, kind: str = "tree", seed: int = 0) -> dict:
@@ -87,12 +118,13 @@ def time_choice(replicas: int, blocks: int, own: int, reps: int, kind: str = "tr
     names = [f"replica-{i}" for i in range(replicas)]
     for name in names:
         ring.add(name)
-    shared = _chain(rng, blocks)
+    tokens = [rng.randrange(1 << 17) for _ in range(blocks * BLOCK_SIZE)]
+    shared = block_hashes(tokens, BLOCK_SIZE, SEED)
     views = {}
     shared_map = _shared(kind)
     for name in names:
         index = _index(kind, max(CAPACITY, blocks + own), shared_map)
-        index.insert(shared)
+        _hold(index, rng, tokens)
         views[name] = ReplicaView(name, rng.randrange(3), index, recent=rng.random())
     policy = PrefixAffinityPolicy(config, ring, BranchStats(threshold=config.branch_threshold))
     times = []
@@ -117,30 +149,26 @@ def _stored(rng: random.Random, tokens: list[int], parent: int | None) -> BlockS
                        token_ids=tokens, block_size=BLOCK_SIZE, medium="GPU")
 
 
-def measure_memory(replicas: int, blocks: int, kind: str, fleet_map: bool = True, seed: int = 0) -> dict:
-    """Bytes allocated building ``replicas`` indexes of ``kind`` (``INDEXES``, or ``engine``), each
-    of ``blocks`` blocks, the first half one prompt every replica holds, the rest its own;
-    ``fleet_map`` (``engine`` only): with the one ``Holders`` map they report into, as in the gateway."""
+def measure_memory(replicas: int, blocks: int, kind: str, seed: int = 0) -> dict:
+    """Bytes allocated building ``replicas`` indexes of ``kind`` (``INDEXES`` or ``VIEWS``), each
+    of ``blocks`` blocks, the first half one prompt every replica holds, the rest its own, all
+    sharing the map or tree of their kind as in the gateway."""
     rng = random.Random(seed)
     half = blocks // 2
     shared_tokens = [rng.randrange(1 << 17) for _ in range(half * BLOCK_SIZE)]
-    seed_of = seed_hash("model")
-    shared = block_hashes(shared_tokens, BLOCK_SIZE, seed_of)
+    shared = block_hashes(shared_tokens, BLOCK_SIZE, SEED)
     gc.collect()
     tracemalloc.start()
     started = time.perf_counter()
     indexes = []
-    holders = (Holders() if fleet_map else None) if kind == "engine" else _shared(kind)
+    holders = _shared(kind)
     for _ in range(replicas):
         own_tokens = [rng.randrange(1 << 17) for _ in range((blocks - half) * BLOCK_SIZE)]
-        if kind != "engine":
-            index = _index(kind, blocks, holders)
-            index.insert(shared + block_hashes(own_tokens, BLOCK_SIZE, shared[-1]))
+        index = _index(kind, blocks, holders)
+        if isinstance(index, (EngineView, PerBlockEngineView)):
+            _hold(index, rng, own_tokens, parent=_hold(index, rng, shared_tokens))
         else:
-            index = EngineView(BLOCK_SIZE, lambda lora, salt: seed_of, max_blocks=2 * blocks, holders=holders)
-            first = _stored(rng, shared_tokens, None)
-            index.apply(first)
-            index.apply(_stored(rng, own_tokens, first.block_hashes[-1]))
+            _hold(index, rng, own_tokens, shared)
         indexes.append(index)
         del own_tokens
     gc.collect()
@@ -148,7 +176,7 @@ def measure_memory(replicas: int, blocks: int, kind: str, fleet_map: bool = True
     tracemalloc.stop()
     held = sum(len(i) for i in indexes)
     del indexes, holders
-    return {"kind": kind, "fleet_map": fleet_map, "replicas": replicas, "blocks": blocks, "entries": held, "bytes": current,
+    return {"kind": kind, "replicas": replicas, "blocks": blocks, "entries": held, "bytes": current,
             "bytes_per_entry": current / max(held, 1), "build_s": time.perf_counter() - started}
 
 
@@ -176,17 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r} | " + " | ".join(f"{c['median_us']:,.0f} ({c['p90_us']:,.0f})" for c in row) + " |")
     memory = []
     if args.memory_replicas:
-        memory = [measure_memory(args.memory_replicas, args.memory_blocks, kind, fleet_map)
-                  for kind, fleet_map in (("per-block", False), ("per-block+map", True), ("tree", True),
-                                          ("engine", False), ("engine", True))]
+        memory = [measure_memory(args.memory_replicas, args.memory_blocks, kind)
+                  for kind in ("per-block", "per-block+map", "tree", *VIEWS)]
         lines += ["", f"Memory of the indexes, {args.memory_replicas} replicas x {args.memory_blocks:,} blocks "
                   "(half one prompt every replica holds), as `tracemalloc` sees it while they are built:", "",
                   "| index | entries | MiB | bytes an entry | built in |", "|---|---|---|---|---|"]
         for m in memory:
-            if m["kind"] == "engine":
-                name = "EngineView (KV events)" + (", with the fleet map" if m["fleet_map"] else "")
-            else:
-                name = f"the gateway's guess: {INDEXES[m['kind']]}"
+            name = VIEWS[m["kind"]] if m["kind"] in VIEWS else f"the gateway's guess: {INDEXES[m['kind']]}"
             lines.append(f"| {name} | {m['entries']:,} | {m['bytes'] / 2**20:,.0f} | {m['bytes_per_entry']:.0f} "
                          f"| {m['build_s']:.1f} s |")
     write_results(args.out, "The routing choice and the indexes as the fleet grows", command_line(__name__, argv),

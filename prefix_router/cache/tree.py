@@ -8,7 +8,7 @@ hold on a node as a count: the leading blocks of the node's run it holds. A prom
 replica holds is one node; a conversation is a node a turn. A lookup starts at a prompt's first
 block (a chained hash names its whole prefix).
 
-- ``drops`` walks a prompt once for every replica (``Holders.drops``' contract), comparing a
+- ``drops`` walks a prompt once for every replica (``match_all``'s contract), comparing a
   node's run with the prompt by ``bytes.startswith`` in C: a comparison a node, not a lookup a block.
 - LRU, exact per block: vLLM frees a request's blocks tail first and evicts the least recently
   freed (``vllm/v1/core/block_pool.py``), so a touch gives a chain one stamp, its tail oldest,
@@ -183,7 +183,7 @@ class BlockTree:
 
     def drops(self, hashes: Sequence[BlockHash], mask: int, cap: int | None = None) -> list[tuple[int, int]]:
         """Where the replicas of ``mask`` stop holding the first ``cap`` blocks of ``hashes``:
-        ``(bits, depth)`` pairs, ``depth`` > 0 and not decreasing (``Holders.drops``' answer).
+        ``(bits, depth)`` pairs, ``depth`` > 0 and not decreasing (``EngineMap.drops``' answer).
         One walk down the tree, a comparison of packed bytes a node."""
         n = len(hashes) if cap is None else min(cap, len(hashes))
         out: list[tuple[int, int]] = []

@@ -124,8 +124,10 @@ async def follow_events(gw: Gateway) -> None:
                 capacity = replica.num_gpu_blocks or replica.shadow.capacity
                 if replica.stream is not None:  # a stream whose task ended without stopping: its view goes too
                     replica.stream.view.close()
+                # ghosts: the last two caches' worth of removals (the miss accounting's "evicted", and
+                # a request's blocks evicted while it waited, unless the whole cache turned over twice)
                 view = EngineView(replica.block_size or gw.block_size, _seeder(replica), max_blocks=2 * capacity + 1024,
-                                  holders=gw.engine_holders)
+                                  max_ghosts=2 * capacity, holders=gw.engine_holders)
                 replica.stream = EventStream(
                     replica.name, endpoint, replay, view, topic=gw.config.kv_events.topic,
                     rebuild_blocks=lambda r=replica: r.num_gpu_blocks or r.shadow.capacity,

@@ -1,4 +1,5 @@
-"""The fleet's one walk (``cache/holders.py``, ``cache/tree.py``) answers every index's own ``match``."""
+"""The fleet's one walk (``cache/holders.py``, ``cache/tree.py``) answers every index's own ``match``
+(the engines' views in their map: ``tests/cache/test_engine_map.py``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import random
 import pytest
 
 from prefix_router.cache.blocks import block_hashes, seed_hash
+from prefix_router.cache.engine_map import EngineMap
 from prefix_router.cache.engine_view import EngineView
-from prefix_router.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefix_router.cache.holders import Holders, match_all
+from prefix_router.cache.events import BlockStored
+from prefix_router.cache.holders import match_all
 from prefix_router.cache.shadow import ShadowIndex
 from prefix_router.cache.tree import BlockTree
 
@@ -27,8 +29,8 @@ def _prompts(rng: random.Random) -> list[list[int]]:
     return [doc + [rng.randrange(50) for _ in range(BLOCK * rng.randrange(0, 4))] for doc in docs for _ in range(3)]
 
 
-def depths(holders: Holders | BlockTree, hashes, mask: int) -> dict[int, int]:
-    """``Holders.drops`` a bit at a time: slot bit -> the leading blocks it holds."""
+def depths(holders: EngineMap | BlockTree, hashes, mask: int) -> dict[int, int]:
+    """``drops`` a bit at a time: slot bit -> the leading blocks it holds."""
     out = {}
     for bits, depth in holders.drops(hashes, mask):
         out.update({1 << i: depth for i in range(bits.bit_length()) if bits >> i & 1})
@@ -39,66 +41,41 @@ def _expected(indexes, hashes) -> dict[int, int]:
     return {i.bit: i.match(hashes) for i in indexes if i.match(hashes)}
 
 
-def _step(rng: random.Random, index, prompt: list[int], now: float) -> None:
-    """One random operation a replica's index sees in the gateway."""
+def _step(rng: random.Random, index: ShadowIndex, prompt: list[int]) -> None:
+    """One random operation a replica's guess sees in the gateway."""
     hashes = block_hashes(prompt, BLOCK, SEED)
-    if isinstance(index, ShadowIndex):
-        op = rng.randrange(5)
-        if op <= 1:
-            before = index.insert(hashes)
-            if rng.random() < 0.3:  # the request failed
-                index.forget(hashes, before)
-        elif op == 2:
-            index.insert(hashes[:rng.randrange(len(hashes) + 1)])
-        elif op == 3:
-            index.add_output(rng.randrange(4), hashes)
-        else:
-            index.resize(rng.randrange(1, 12)) if rng.random() < 0.5 else index.clear()
-        return
-    op = rng.randrange(8)
+    op = rng.randrange(5)
     if op <= 1:
-        index.apply(BlockStored([_engine_hash(h) for h in hashes], None, prompt[:len(hashes) * BLOCK], BLOCK))
+        before = index.insert(hashes)
+        if rng.random() < 0.3:  # the request failed
+            index.forget(hashes, before)
     elif op == 2:
-        index.apply(BlockRemoved([_engine_hash(h) for h in hashes[rng.randrange(len(hashes) + 1):]]))
+        index.insert(hashes[:rng.randrange(len(hashes) + 1)])
     elif op == 3:
-        index.note_routed(hashes)
-        index.routed.append(hashes)
-    elif op == 4 and index.routed:
-        index.release_routed(index.routed.pop(rng.randrange(len(index.routed))), now, served=rng.random() < 0.6)
-    elif op == 5:
-        index.apply(AllBlocksCleared())
-    elif op == 6:
-        index.release_routed([], now, served=True)  # time passes: released blocks expire
+        index.add_output(rng.randrange(4), hashes)
     else:
-        index.clear()  # a restart or an unrepaired gap, with requests still in flight
+        index.resize(rng.randrange(1, 12)) if rng.random() < 0.5 else index.clear()
 
 
 @pytest.mark.parametrize("seed", range(100))
 def test_one_walk_of_the_fleet_map_equals_each_indexs_own_match(seed):
     rng = random.Random(seed)
-    tree, holders = BlockTree(), Holders()
+    tree = BlockTree()
     shadows = [ShadowIndex(rng.randrange(2, 12), tree) for _ in range(3)]
-    views = []
-    for _ in range(3):
-        view = EngineView(BLOCK, lambda lora, salt: SEED, pending_s=0.5, max_ghosts=8, holders=holders)
-        view.routed = []
-        views.append(view)
     prompts = _prompts(rng)
-    for t in range(120):
-        _step(rng, rng.choice(shadows + views), rng.choice(prompts), now=t * 0.1)
+    for _ in range(120):
+        _step(rng, rng.choice(shadows), rng.choice(prompts))
         for prompt in prompts:
             hashes = block_hashes(prompt, BLOCK, SEED)
             assert depths(tree, hashes, sum(i.bit for i in shadows)) == _expected(shadows, hashes)
-            assert depths(holders, hashes, sum(i.bit for i in views)) == _expected(views, hashes)
 
 
 def test_a_mask_leaves_out_the_replicas_not_asked_about():
     chain = block_hashes(list(range(12)), BLOCK, SEED)
-    holders = Holders()
+    holders = EngineMap()
     a, b = holders.slot(), holders.slot()
-    for h in chain:
-        holders.add(h, a)
-    holders.add(chain[0], b)
+    holders.store(chain, a)
+    holders.store(chain[:1], b)
     assert depths(holders, chain, a | b) == {a: 3, b: 1}
     assert depths(holders, chain, b) == {b: 1}
     assert depths(holders, chain[1:], a | b) == {a: 2}  # b holds it only as its own prefix's
@@ -113,7 +90,7 @@ def test_a_mask_leaves_out_the_replicas_not_asked_about():
 
 def test_a_closed_index_leaves_no_bit_and_its_slot_is_reused():
     chain = block_hashes(list(range(8)), BLOCK, SEED)
-    holders = Holders()
+    holders = EngineMap()
     a, b = EngineView(BLOCK, lambda lora, salt: SEED, holders=holders), EngineView(BLOCK, lambda lora, salt: SEED,
                                                                                    holders=holders)
     for view in (a, b):

@@ -275,14 +275,16 @@ async def test_a_flood_of_messages_at_the_cap_waits_in_the_publisher_not_the_gat
     assert report["fresh"] and report["held"][:2] == [1, 1], report
 
 
-def test_stored_blocks_past_the_replicas_capacity_make_the_view_overflow_even_under_one_engine_hash():
-    """The view's bound counts the gateway's blocks too: a publisher repeating one engine hash
-    for distinct blocks would otherwise grow it without end (each block ~200 bytes)."""
+def test_one_engine_hash_repeated_for_distinct_blocks_cannot_grow_the_view():
+    """A publisher repeating one engine hash for distinct blocks: the view keeps the block the
+    hash named first and counts the rest as copies of it (vLLM caches one hash in two blocks, of
+    one block's tokens), so it holds one entry and a count, however many it sends."""
     v = EngineView(BS, seed, max_blocks=3)
-    v.apply(BlockStored([7, 7], None, list(range(2 * BS)), BS))
-    assert not v.overflowed and len(v) == 2
-    v.apply(BlockStored([7, 7], None, list(range(100, 100 + 2 * BS)), BS))
-    assert v.overflowed and len(v) <= 3
+    for i in range(50):
+        v.apply(BlockStored([7, 7], None, list(range(100 * i, 100 * i + 2 * BS)), BS))
+    assert len(v) == 1 and len(v._engine_extra) == 1 and len(v._block_extra) == 1 and not v.overflowed
+    v.apply(BlockStored([8, 9, 10], None, list(range(500, 500 + 3 * BS)), BS))
+    assert v.overflowed  # distinct hashes past the bound still overflow it
 
 
 def test_engine_hashes_longer_than_any_vllm_hash_are_refused():
@@ -302,7 +304,7 @@ def test_a_stored_event_applied_in_slices_builds_the_view_it_builds_at_once():
     event = BlockStored(list(range(10)), None, tokens, BS)
     whole.apply(event)
     assert list(sliced.apply_steps(event, 3)) == [3, 3, 3, 1]
-    assert sliced._blocks == whole._blocks and sliced._engine == whole._engine
+    assert sliced.blocks() == whole.blocks() and sliced._engine.items() == whole._engine.items()
     assert sliced.match(block_hashes(tokens, BS, seed(None, None))) == 10
 
 
