@@ -299,6 +299,9 @@ class EngineView:
         """The engine removed the blocks of engine keys ``keys``, in order."""
         found, known = self._engine.get(keys)
         engine_extra, block_extra = self._engine_extra, self._block_extra
+        if not engine_extra and not block_extra and len(set(keys)) == len(keys):  # no copies: the common case
+            self._drop(list(compress(keys, found)), list(compress(known, found)))
+            return
         dropped: set[int] = set()
         gone: list[BlockHash] = []
         for key, h, f in zip(keys, known, found):
@@ -316,9 +319,13 @@ class EngineView:
                     del block_extra[h]
                 continue
             gone.append(h)
-        if dropped:
-            self._engine.delete(list(dropped))
-            self._engine_held -= len(dropped)
+        self._drop(list(dropped), gone)
+
+    def _drop(self, keys: list[int], gone: list[BlockHash]) -> None:
+        """Engine keys ``keys`` are no longer held, and blocks ``gone`` left the engine."""
+        if keys:
+            self._engine.delete(keys)
+            self._engine_held -= len(keys)
         if gone:
             self._held -= len(gone)
             self.removals += len(gone)

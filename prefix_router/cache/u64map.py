@@ -4,8 +4,8 @@ one byte, not the ~100 bytes of a Python dict entry with int objects.
 It holds what the engines' KV events say each replica stores (``cache/engine_map.py``): at 256
 replicas x 30,000 blocks that is 7.7 million entries, 1.7 GB as dicts. Keys live in one sorted
 array, matched by ``np.searchsorted``; changes go first to a small dict and are merged into the
-arrays once it holds a thirty-second of them (at least 256, at most 65,536 entries), so a change
-costs a dict write and, amortized, a few bytes moved. A deleted key is marked dead in place and
+arrays once they are a thirty-second of them (at least 256, at most 65,536 keys), so a change
+costs a dict or set write and, amortized, a few bytes moved. A deleted key is marked dead in place and
 swept at a merge once the dead are more than a quarter of the arrays.
 """
 
@@ -14,14 +14,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from itertools import repeat
+
 import numpy as np
 
 from prefix_router.cache.blocks import packed_hashes
 
 __all__ = ["U64Map", "DictMap"]
-
-_ABSENT = object()
-
 
 class U64Map:
     """Keys in ``[0, 2**64)`` -> values of ``dtype``; batch calls take and give Python lists."""
@@ -32,25 +30,28 @@ class U64Map:
         self._vals = np.empty(0, self.dtype)
         self._alive = np.empty(0, bool)
         self._dead = 0  # dead entries in the arrays
-        self._delta: dict[int, int | None] = {}  # changes newer than the arrays; None: deleted
+        self._delta: dict[int, int] = {}  # keys set since the last merge
+        self._gone: set[int] = set()  # keys deleted since the last merge (never also in ``_delta``)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the arrays (the dict of recent changes is not counted)."""
+        """Bytes of the arrays (the recent changes are not counted)."""
         return self._keys.nbytes + self._vals.nbytes + self._alive.nbytes
-
-    def get(self, keys: Sequence[int]) -> tuple[list[bool], list[int]]:
-        """``(found, values)`` for ``keys``, a value 0 where not found."""
-        found, vals = self._lookup(keys)
-        return found.tolist(), vals.tolist()
 
     def may_hold_any(self) -> bool:
         """False only when the map is surely empty (without merging)."""
         return bool(len(self._keys) or self._delta)
 
+    def get(self, keys: Sequence[int]) -> tuple[list[bool], list[int]]:
+        """``(found, values)`` for ``keys``, a value 0 where not found."""
+        pos, hit = self._find(keys)
+        vals = np.where(hit, self._vals[pos], 0).astype(self.dtype, copy=False) if len(self._keys) else \
+            np.zeros(len(keys), self.dtype)
+        return self._recent(keys, hit, vals)
+
     def values_of(self, keys: Sequence[int]) -> np.ndarray:
-        """The values of ``keys`` as an array, 0 where not found (for maps whose 0 means absent).
-        Fewer steps than ``get``: a dead entry's value is 0 already."""
+        """The values of ``keys`` as an array, 0 where not found (for maps whose 0 means absent:
+        a dead entry's value is 0 already, so ``alive`` is not read)."""
         n = len(self._keys)
         if not n:
             vals = np.zeros(len(keys), self.dtype)
@@ -60,37 +61,45 @@ class U64Map:
             np.minimum(pos, n - 1, out=pos)
             vals = self._vals[pos]
             vals[self._keys[pos] != query] = 0
-        delta = self._delta
-        if delta and not delta.keys().isdisjoint(keys):
-            at = np.flatnonzero(np.fromiter(map(delta.__contains__, keys), bool, len(keys)))
-            vals[at] = [delta[keys[i]] or 0 for i in at.tolist()]
-        return vals
+        return self._recent(keys, None, vals)[1] if self._delta or self._gone else vals
 
-    def _lookup(self, keys: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    def _find(self, keys: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Each key's place in the arrays and whether it is there, alive."""
         n = len(self._keys)
-        if n:
-            query = np.frombuffer(packed_hashes(keys, len(keys)), np.uint64)  # kept for the next call with these keys
-            pos = np.minimum(np.searchsorted(self._keys, query), n - 1)
-            found = (self._keys[pos] == query) & self._alive[pos]
-            vals = np.where(found, self._vals[pos], 0).astype(self.dtype, copy=False)
-        else:
-            found, vals = np.zeros(len(keys), bool), np.zeros(len(keys), self.dtype)
-        delta = self._delta
+        if not n:
+            return np.zeros(len(keys), np.intp), np.zeros(len(keys), bool)
+        query = np.frombuffer(packed_hashes(keys, len(keys)), np.uint64)  # kept for the next call with these keys
+        pos = np.searchsorted(self._keys, query)
+        np.minimum(pos, n - 1, out=pos)
+        return pos, (self._keys[pos] == query) & self._alive[pos]
+
+    def _recent(self, keys: Sequence[int], found: np.ndarray | None, vals: np.ndarray):
+        """``found`` and ``vals`` with the changes since the last merge laid over them."""
+        delta, gone = self._delta, self._gone
         if delta and not delta.keys().isdisjoint(keys):
             at = np.flatnonzero(np.fromiter(map(delta.__contains__, keys), bool, len(keys)))
-            recent = [delta[keys[i]] for i in at.tolist()]
-            found[at] = [value is not None for value in recent]
-            vals[at] = [value or 0 for value in recent]
-        return found, vals
+            vals[at] = [delta[keys[i]] for i in at.tolist()]
+            if found is not None:
+                found[at] = True
+        if gone and not gone.isdisjoint(keys):
+            at = np.fromiter(map(gone.__contains__, keys), bool, len(keys))
+            vals[at] = 0
+            if found is not None:
+                found[at] = False
+        return (found.tolist() if found is not None else None), (vals.tolist() if found is not None else vals)
 
     def put(self, keys: Sequence[int], values: Sequence[int]) -> None:
         """Set ``keys`` to ``values`` (a key given twice: the last value)."""
         self._delta.update(zip(keys, values))
+        if self._gone:
+            self._gone.difference_update(keys)
         self._maybe_merge()
 
     def delete(self, keys: Sequence[int]) -> None:
         """Remove ``keys`` (a key not here: nothing)."""
-        self._delta.update(dict.fromkeys(keys))
+        if self._delta:
+            deque(map(self._delta.pop, keys, repeat(None)), maxlen=0)
+        self._gone.update(keys)
         self._maybe_merge()
 
     def items(self) -> tuple[list[int], list[int]]:
@@ -117,33 +126,39 @@ class U64Map:
         self.__init__(self.dtype)
 
     def _maybe_merge(self) -> None:
-        if len(self._delta) >= min(max(len(self._keys) >> 5, 256), 65_536):
+        if len(self._delta) + len(self._gone) >= min(max(len(self._keys) >> 5, 256), 65_536):
             self._merge()
 
     def _merge(self) -> None:
-        """Fold the recent changes into the arrays: update live keys in place, mark deleted ones
-        dead, insert new ones at their sorted places, and sweep the dead past a quarter."""
-        delta = self._delta
-        if not delta:
+        """Fold the recent changes into the arrays: mark deleted keys dead, update live ones in
+        place, insert new ones at their sorted places, and sweep the dead past a quarter."""
+        delta, gone = self._delta, self._gone
+        if not delta and not gone:
             return
-        self._delta = {}
-        keys = np.fromiter(delta.keys(), np.uint64, len(delta))
-        vals = np.fromiter((v or 0 for v in delta.values()), self.dtype, len(delta))
-        alive = np.fromiter((v is not None for v in delta.values()), bool, len(delta))
+        self._delta, self._gone = {}, set()
         n = len(self._keys)
-        pos = np.searchsorted(self._keys, keys)
-        known = pos < n
-        known[known] = self._keys[pos[known]] == keys[known]
-        at = pos[known]
-        self._dead += int(np.count_nonzero(self._alive[at] & ~alive[known]) - np.count_nonzero(~self._alive[at] & alive[known]))
-        self._vals[at], self._alive[at] = vals[known], alive[known]
-        new = ~known & alive  # a deleted key that was never here leaves no trace
-        if new.any():
-            order = np.argsort(keys[new], kind="stable")
-            where = pos[new][order]
-            self._keys = np.insert(self._keys, where, keys[new][order])
-            self._vals = np.insert(self._vals, where, vals[new][order])
-            self._alive = np.insert(self._alive, where, True)
+        if gone and n:
+            keys = np.fromiter(gone, np.uint64, len(gone))
+            pos = np.minimum(np.searchsorted(self._keys, keys), n - 1)
+            at = pos[(self._keys[pos] == keys) & self._alive[pos]]
+            self._alive[at], self._vals[at] = False, 0
+            self._dead += len(at)
+        if delta:
+            keys = np.fromiter(delta.keys(), np.uint64, len(delta))
+            vals = np.fromiter(delta.values(), self.dtype, len(delta))
+            pos = np.searchsorted(self._keys, keys)
+            known = pos < n
+            known[known] = self._keys[pos[known]] == keys[known]
+            at = pos[known]
+            self._dead -= int(np.count_nonzero(~self._alive[at]))
+            self._vals[at], self._alive[at] = vals[known], True
+            new = ~known
+            if new.any():
+                order = np.argsort(keys[new], kind="stable")
+                where = pos[new][order]
+                self._keys = np.insert(self._keys, where, keys[new][order])
+                self._vals = np.insert(self._vals, where, vals[new][order])
+                self._alive = np.insert(self._alive, where, True)
         if self._dead * 4 > len(self._keys):
             live = self._alive
             self._keys, self._vals, self._alive = self._keys[live], self._vals[live], np.ones(int(live.sum()), bool)
