@@ -3,12 +3,12 @@
 Each ``EngineView`` (``cache/engine_view.py``) reports here the blocks its engine stores and
 removes, by KV events, and the blocks routed to its replica and not yet confirmed (in flight, or
 lately released); ``drops`` then matches a prompt against every replica in one walk
-(``cache/holders.py``, ``match_all``). Stored blocks live in a ``U64Map`` (``cache/u64map.py``):
-a block hash, 8 bytes, and a 4-byte id of its holders' mask, the masks themselves interned (a
-fleet has few distinct sets of holders: one replica's own blocks, a prompt every replica holds).
-So memory grows with the distinct blocks of the fleet, about 13 bytes each, plus one bit a holder,
-not with replicas x blocks. The blocks not yet confirmed (the requests in flight) change at every
-request and are few: a dict of the same mask ids (``DictMap``), read by the walk with ``map``.
+(``cache/holders.py``, ``match_all``). Stored blocks live in an ``IdTable`` (``cache/u64map.py``,
+a hash table of numpy arrays): a block hash, 8 bytes, and a 4-byte id of its holders' mask, the
+masks themselves interned (a fleet has few distinct sets of holders: one replica's own blocks, a
+prompt every replica holds). So memory grows with the distinct blocks of the fleet, 12 bytes a
+slot at most half the slots used, plus one bit a holder, not with replicas x blocks. The blocks
+not yet confirmed (the requests in flight) are a second table of the same kind.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from itertools import compress
 import numpy as np
 
 from prefix_router.cache.blocks import BlockHash
-from prefix_router.cache.u64map import DictMap, U64Map
+from prefix_router.cache.u64map import SMALL, IdTable
 
 __all__ = ["EngineMap"]
 
@@ -30,7 +30,7 @@ class EngineMap:
 
     def __init__(self) -> None:
         # block hash -> id of a mask of slots, 0 never kept: what the engines store, what is pending
-        self._stored, self._pending = U64Map(np.uint32), DictMap(np.uint32)
+        self._stored, self._pending = IdTable(), IdTable(64)
         self._masks: list[int] = [0]  # id -> mask
         self._ids: dict[int, int] = {0: 0}  # mask -> id
         self._collect_at = 4096  # interned masks past which the unused ones are swept
@@ -66,10 +66,12 @@ class EngineMap:
             self._masks.append(mask)
         return found
 
-    def _change(self, table: U64Map | DictMap, hashes: Sequence[BlockHash], bit: int, add: bool) -> list[bool]:
+    def _change(self, table: IdTable, hashes: Sequence[BlockHash], bit: int, add: bool) -> list[bool]:
         """Set or clear ``bit`` on ``hashes`` in ``table``; whether each had it before."""
         if not hashes:
             return []
+        if len(hashes) <= SMALL:  # a key at a time: an event of a block or two costs microseconds
+            return self._change_small(table, hashes, bit, add)
         ids = table.values_of(hashes)
         unique, inverse = np.unique(ids, return_inverse=True)
         masks = [self._masks[i] for i in unique.tolist()]
@@ -86,6 +88,20 @@ class EngineMap:
             self._collect()
         return before.tolist()
 
+    def _change_small(self, table: IdTable, hashes: Sequence[BlockHash], bit: int, add: bool) -> list[bool]:
+        """``_change`` of a few hashes, in Python: one probe a block (a block given twice is
+        changed once, and told as it was before the call, as the batch path tells it)."""
+        masks, intern = self._masks, self._intern
+        unique = list(dict.fromkeys(hashes)) if len(set(hashes)) < len(hashes) else hashes
+        old = table.change_small(unique, (lambda i: intern(masks[i] | bit)) if add else (lambda i: intern(masks[i] & ~bit)))
+        before = [bool(masks[i] & bit) for i in old]
+        if unique is not hashes:
+            was = dict(zip(unique, before))
+            before = [was[h] for h in hashes]
+        if len(self._masks) > self._collect_at:
+            self._collect()
+        return before
+
     def store(self, hashes: Sequence[BlockHash], bit: int) -> list[bool]:
         """The replica of ``bit`` stores ``hashes``; whether it stored each already."""
         return self._change(self._stored, hashes, bit, True)
@@ -98,16 +114,24 @@ class EngineMap:
         """Whether the replica of ``bit`` stores each of ``hashes``."""
         if not hashes:
             return []
+        if len(hashes) <= SMALL:
+            return [bool(self._masks[i] & bit) for i in self._stored.ids_small(hashes)]
         ids = self._stored.values_of(hashes)
         unique, inverse = np.unique(ids, return_inverse=True)
         return np.array([bool(self._masks[i] & bit) for i in unique.tolist()])[inverse].tolist()
 
+    def unstored(self, hashes: Sequence[BlockHash], bit: int) -> list[BlockHash]:
+        """Those of ``hashes`` the replica of ``bit`` does not store."""
+        return [h for h, held in zip(hashes, self.stored(hashes, bit)) if not held] if hashes else []
+
     def pend(self, hashes: Sequence[BlockHash], bit: int) -> None:
-        """``hashes`` match on the replica of ``bit`` until ``unpend``: routed there, not yet stored."""
+        """``hashes`` match on the replica of ``bit`` until ``unpend``: routed there, and not
+        stored (the view pends only those; ``drops`` reads stored or pending)."""
         self._change(self._pending, hashes, bit, True)
 
     def unpend(self, hashes: Sequence[BlockHash], bit: int) -> None:
-        self._change(self._pending, hashes, bit, False)
+        if self._pending.may_hold_any():
+            self._change(self._pending, hashes, bit, False)
 
     def _collect(self) -> None:
         """Sweep the masks no block uses any more, renumbering the rest."""
@@ -123,8 +147,8 @@ class EngineMap:
     def drops(self, hashes: Sequence[BlockHash], mask: int, cap: int | None = None) -> list[tuple[int, int]]:
         """Where the slots of ``mask`` stop holding the prompt: ``(slots, depth)`` pairs, the slots
         that hold exactly the first ``depth`` blocks of ``hashes``, ``depth`` > 0 and increasing
-        (``match_all`` reads it). The prompt's masks are looked up in one ``searchsorted`` a
-        table; a run of equal masks (a prefix held by the same replicas) is found in numpy and
+        (``match_all`` reads it). The prompt's blocks are looked up in each table at once; a run of
+        equal masks (a prefix held by the same replicas) is found in numpy and
         stepped over at once."""
         if cap is not None and cap < len(hashes):
             hashes = hashes[:cap]

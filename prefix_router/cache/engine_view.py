@@ -4,41 +4,29 @@
 token ids (``prefix_router/cache/blocks.py``), never vLLM's digest, which depends on the engine's
 hash algorithm and seed; a map from the engine's hash to the gateway's serves removals. The
 events themselves are decoded in ``cache/events.py``; ``cache/stream.py`` feeds them in order.
-Which blocks each replica holds is kept for the whole fleet in one ``EngineMap``
-(``cache/engine_map.py``), so that a prompt is matched against every replica in one walk.
+How it takes the events is in ``cache/intake.py``. Which blocks each replica holds is kept for
+the whole fleet in one ``EngineMap`` (``cache/engine_map.py``), so that a prompt is matched
+against every replica in one walk.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from itertools import compress
 
 import numpy as np
-import xxhash
 
-from prefix_router.cache.blocks import BlockHash, block_hashes
+from prefix_router.cache.blocks import BlockHash
 from prefix_router.cache.engine_map import EngineMap
-from prefix_router.cache.events import (AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event,
-                                        read_extra_keys)
 from prefix_router.cache.ghosts import GhostRing
+from prefix_router.cache.intake import EventIntake
 from prefix_router.cache.u64map import U64Map
 
-__all__ = ["EngineView", "engine_keys"]
-
-_U64 = (1 << 64) - 1
+__all__ = ["EngineView"]
 
 
-def engine_keys(hashes: Sequence[EngineHash]) -> list[int]:
-    """vLLM's block hashes as 64-bit keys: an int as it is (in two's complement if negative), bytes
-    (sha256 or xxh3-128 digests, where ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is off) by their
-    xxh3-64 digest. Two hashes meeting in one key would take a 2**-64 chance, or a publisher that
-    wants it, and confuse that publisher's own view only."""
-    digest = xxhash.xxh3_64_intdigest
-    return [h & _U64 if type(h) is int else digest(h) for h in hashes]
-
-
-class EngineView:
+class EngineView(EventIntake):
     """What one replica's prefix cache holds, from its events, in the gateway's block hashes.
 
     ``seed(lora_name, cache_salt)`` gives the parent hash of a prompt's first block, as the
@@ -96,6 +84,7 @@ class EngineView:
         self.opaque = 0  # stored blocks with inputs the gateway does not hash (images, prompt embeds)
         self.misshapen = 0  # stored events whose token ids are not their blocks' (null or masked blocks)
         self.foreign_block_size = 0  # stored events in another block size than the gateway's
+        self.bad_events = 0  # events of a run that could not be read (a token id out of range)
 
     def __len__(self) -> int:
         return self._held
@@ -116,7 +105,7 @@ class EngineView:
         inflight = self._inflight
         for h in hashes:
             inflight[h] = inflight.get(h, 0) + 1
-        self.holders.pend(hashes, self.bit)
+        self.holders.pend(self.holders.unstored(hashes, self.bit), self.bit)  # a stored one is pended if removed
         if self._stamp_used:  # the removals so far came before this request; later ones get a new stamp
             self._since, self._stamp, self._stamp_used = self._stamp, self._stamp + 1, False
         return self._since
@@ -168,7 +157,9 @@ class EngineView:
     def _unpend(self, hashes: Sequence[BlockHash]) -> None:
         """``hashes`` may have stopped being pending here: clear the pending bit of those that did."""
         inflight, released = self._inflight, self._released
-        self.holders.unpend([h for h in hashes if h not in inflight and h not in released], self.bit)
+        if inflight or released:
+            hashes = [h for h in hashes if h not in inflight and h not in released]
+        self.holders.unpend(hashes, self.bit)
 
     def match_ever(self, hashes: Sequence[BlockHash]) -> int:
         """Leading blocks held now or removed lately (``ShadowIndex.match_ever``'s meaning)."""
@@ -207,128 +198,3 @@ class EngineView:
         self.holders = EngineMap()
         self.bit = self.holders.slot()
         self.holders.pend(pending, self.bit)
-
-    def apply(self, event: Event) -> None:
-        """Update the view with one event."""
-        deque(self.apply_steps(event), maxlen=0)
-
-    def apply_steps(self, event: Event, slice_blocks: int = 1 << 62) -> Iterator[int]:
-        """Update the view with one event, yielding the blocks done after every ``slice_blocks``:
-        an event loop runs between them (a message at the cap holds ~250,000 blocks)."""
-        if isinstance(event, BlockStored):
-            yield from self._stored(event, slice_blocks)
-        elif isinstance(event, BlockRemoved):
-            if event.medium not in (None, "GPU") or event.group_idx not in (None, 0):
-                return
-            for start in range(0, len(event.block_hashes), slice_blocks):
-                self._removed(engine_keys(event.block_hashes[start:start + slice_blocks]))
-                yield min(slice_blocks, len(event.block_hashes) - start)
-        elif isinstance(event, AllBlocksCleared):
-            # vLLM queues the event when the cache is reset and publishes it after its next step
-            # (``Scheduler.update_from_output``): the requests in flight then store their blocks
-            # after it, so their tallies stay
-            inflight, ghosts = dict(self._inflight), self._ghosts
-            self._ghosts = GhostRing(0)  # kept as they are: removals before the reset still tell
-            self.clear()
-            self._inflight, self._ghosts = inflight, ghosts
-            self.holders.pend(list(inflight), self.bit)
-
-    def _stored(self, event: BlockStored, slice_blocks: int) -> Iterator[int]:
-        if event.medium not in (None, "GPU") or event.group_idx not in (None, 0):
-            return
-        if event.block_size != self.block_size:
-            self.foreign_block_size += 1
-            return
-        if len(event.token_ids) != len(event.block_hashes) * event.block_size:
-            self.misshapen += 1  # vLLM leaves null and masked blocks out of the hashes, not the tokens
-            return
-        if event.extra_keys is not None:  # read only now: the events skipped above never need them
-            read_extra_keys(event)
-            yield 0
-        if event.opaque:
-            self.opaque += len(event.block_hashes)
-            return
-        if event.parent_block_hash is None:
-            seed = self.seed(event.lora_name, event.cache_salt)
-        else:
-            found, parent = self._engine.get(engine_keys([event.parent_block_hash]))
-            if not found[0]:
-                self.orphans += len(event.block_hashes)
-                return
-            seed = parent[0]
-        size = self.block_size
-        for start in range(0, len(event.block_hashes), slice_blocks):
-            keys = engine_keys(event.block_hashes[start:start + slice_blocks])
-            ours = block_hashes(event.token_ids[start * size:(start + len(keys)) * size], size, seed)
-            if max(self._engine_held, self._held) + len(ours) > self.max_blocks:  # a repeated engine hash too
-                self.overflowed = True  # EventStream marks the view stale
-                return
-            if len(set(keys)) == len(keys):
-                self._store(keys, ours)
-            else:  # one hash twice in one event: never in vLLM's chains, so one at a time
-                for key, h in zip(keys, ours):
-                    self._store([key], [h])
-            released = self._released
-            if released:
-                self._unpend([h for h in ours if released.pop(h, None) is not None])
-            self.stored += len(ours)
-            seed = ours[-1]
-            yield len(ours)
-
-    def _store(self, keys: list[int], ours: list[BlockHash]) -> None:
-        """The engine stored blocks ``ours`` under engine keys ``keys`` (distinct)."""
-        found, known = self._engine.get(keys)
-        if any(found):  # a hash the engine holds already: one more block of it
-            engine_extra, block_extra = self._engine_extra, self._block_extra
-            for key, h, f in zip(keys, known, found):
-                if f:
-                    engine_extra[key] = engine_extra.get(key, 0) + 1
-                    block_extra[h] = block_extra.get(h, 0) + 1
-            keys = [k for k, f in zip(keys, found) if not f]
-            ours = [h for h, f in zip(ours, found) if not f]
-        self._engine.put(keys, ours)
-        self._engine_held += len(keys)
-        before = self.holders.store(ours, self.bit)
-        for h, held in zip(ours, before):
-            if held:  # another engine hash names this block too
-                self._block_extra[h] = self._block_extra.get(h, 0) + 1
-            else:
-                self._held += 1
-
-    def _removed(self, keys: list[int]) -> None:
-        """The engine removed the blocks of engine keys ``keys``, in order."""
-        found, known = self._engine.get(keys)
-        engine_extra, block_extra = self._engine_extra, self._block_extra
-        if not engine_extra and not block_extra and len(set(keys)) == len(keys):  # no copies: the common case
-            self._drop(list(compress(keys, found)), list(compress(known, found)))
-            return
-        dropped: set[int] = set()
-        gone: list[BlockHash] = []
-        for key, h, f in zip(keys, known, found):
-            if not f or key in dropped:
-                continue
-            if key in engine_extra:
-                engine_extra[key] -= 1
-                if not engine_extra[key]:
-                    del engine_extra[key]
-            else:
-                dropped.add(key)
-            if h in block_extra:
-                block_extra[h] -= 1
-                if not block_extra[h]:
-                    del block_extra[h]
-                continue
-            gone.append(h)
-        self._drop(list(dropped), gone)
-
-    def _drop(self, keys: list[int], gone: list[BlockHash]) -> None:
-        """Engine keys ``keys`` are no longer held, and blocks ``gone`` left the engine."""
-        if keys:
-            self._engine.delete(keys)
-            self._engine_held -= len(keys)
-        if gone:
-            self._held -= len(gone)
-            self.removals += len(gone)
-            self.holders.unstore(gone, self.bit)
-            self._ghosts.note(gone, self._stamp)  # after every request routed so far
-            self._stamp_used = True

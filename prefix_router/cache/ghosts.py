@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from prefix_router.cache.blocks import BlockHash
-from prefix_router.cache.u64map import U64Map
+from prefix_router.cache.u64map import SMALL, U64Map
 
 __all__ = ["GhostRing"]
 
@@ -26,7 +26,7 @@ class GhostRing:
     empty, so after many repeated removals fewer than ``capacity`` distinct blocks remain."""
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = max(1, capacity)
+        self.capacity = capacity
         self._hash = np.zeros(0, np.uint64)
         self._stamp = np.zeros(0, np.int64)
         self._live = np.zeros(0, bool)
@@ -43,14 +43,17 @@ class GhostRing:
 
     def note(self, hashes: Sequence[BlockHash], stamp: int) -> None:
         """``hashes`` were removed now, in this order, all under ``stamp``."""
-        if not hashes:
+        if not hashes or self.capacity <= 0:
             return
         if len(set(hashes)) < len(hashes):  # keep each block's last removal only
             hashes = list(dict.fromkeys(reversed(hashes)))[::-1]
         hashes = hashes[-self.capacity:]
         k = len(hashes)
-        earlier = self._slot.values_of(hashes)
-        earlier = earlier[earlier > 0].astype(np.int64) - 1
+        if k <= SMALL:  # a key at a time: vLLM removes a block an event
+            earlier = [v - 1 for f, v in zip(*self._slot.get(hashes)) if f]
+        else:
+            earlier = self._slot.values_of(hashes)
+            earlier = (earlier[earlier > 0].astype(np.int64) - 1).tolist()
         self._live[earlier] = False
         self._count -= len(earlier)
         if self._next + k > len(self._hash) and len(self._hash) < self.capacity:  # grow before wrapping
@@ -59,17 +62,24 @@ class GhostRing:
             self._hash = np.concatenate([self._hash, np.zeros(grow, np.uint64)])
             self._stamp = np.concatenate([self._stamp, np.zeros(grow, np.int64)])
             self._live = np.concatenate([self._live, np.zeros(grow, bool)])
-        slots = (self._next + np.arange(k)) % len(self._hash)
-        over = slots[self._live[slots]]  # the oldest ghosts, written over
-        if len(over):
-            self._slot.delete(self._hash[over].tolist())
+        size = len(self._hash)
+        if k <= SMALL:
+            slots = [(self._next + i) % size for i in range(k)]
+            over = [int(self._hash[at]) for at in slots if self._live[at]]  # the oldest ghosts, written over
+            for at, h in zip(slots, hashes):
+                self._hash[at], self._stamp[at], self._live[at] = h, stamp, True
+        else:
+            at = (self._next + np.arange(k)) % size
+            over = self._hash[at[self._live[at]]].tolist()
+            self._hash[at], self._stamp[at], self._live[at] = np.array(hashes, np.uint64), stamp, True
+            slots = at.tolist()
+        if over:
+            self._slot.delete(over)
             self._count -= len(over)
-        self._hash[slots] = np.array(hashes, np.uint64)
-        self._stamp[slots] = stamp
-        self._live[slots] = True
-        self._slot.put(hashes, (slots + 1).tolist())
+        self._slot.put(hashes, [at + 1 for at in slots])
         self._count += k
-        self._next = int(slots[-1] + 1) % len(self._hash)
+        end = slots[-1] + 1  # the next write wraps to the oldest slot only once the ring is full
+        self._next = end % size if size == self.capacity else end
 
     def stamps(self, hashes: Sequence[BlockHash]) -> np.ndarray:
         """The stamp of each block's last removal remembered, -1 for a block not here."""

@@ -41,6 +41,7 @@ from zmq.utils import monitor as zmq_monitor
 
 from prefix_router.cache.engine_view import EngineView
 from prefix_router.cache.events import END_SEQ, decode_events, to_event
+from prefix_router.cache.intake import runs
 
 __all__ = ["EventStream", "REBUILD_BLOCKS"]
 
@@ -324,15 +325,27 @@ class EventStream:
             dealer.close()
 
     def _steps(self, raw_events: list) -> Iterator[int]:
-        """Apply a batch's wire events to the view, one step (an event, a slice of one) at a time."""
-        for raw in raw_events:
+        """Apply a batch's wire events to the view, one step (a run of events of one kind, or a
+        slice of one long event; ``cache/intake.py``) at a time."""
+        events = []
+        for i, raw in enumerate(raw_events):
             try:
                 event = to_event(raw)
-                if event is not None:
-                    self.events += 1
-                    yield from self.view.apply_steps(event, SLICE_BLOCKS)
             except Exception:  # noqa: BLE001 - whatever a publisher sends must not stop the stream
                 self.undecodable += 1
+                continue
+            if event is not None:
+                events.append(event)
+            if i % 1024 == 1023:
+                yield 0
+        self.events += len(events)
+        for run in runs(events, SLICE_BLOCKS):
+            bad = self.view.bad_events
+            try:
+                yield from self.view.apply_run(run, SLICE_BLOCKS)
+            except Exception:  # noqa: BLE001 - whatever a publisher sends must not stop the stream
+                self.undecodable += 1
+            self.undecodable += self.view.bad_events - bad
             yield 1
 
     async def _apply(self, seq: int, payload: bytes | memoryview) -> None:

@@ -35,6 +35,17 @@ _NOT_RELAYED = {"content-length", "content-encoding", "transfer-encoding", "conn
                 "server", "date"}  # aiohttp sets its own
 
 
+class _StreamResponse(web.StreamResponse):
+    """A stream whose headers go out in one write with its first chunk, not in one of their own:
+    a write (a send syscall, and a TCP segment on the wire) less a stream (its cost in
+    ``docs/performance-notes.md``). ``relay`` prepares the response once the replica's first
+    chunk is in hand, so the client sees no byte later.
+    aiohttp's own ``web.Response`` buffers its headers the same way (``_send_headers_immediately``,
+    aiohttp 3.11 and later; without it a stream's headers are written at once, as before)."""
+
+    _send_headers_immediately = False
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Relayed:
     """What reached the client: the response, the status counted (``CLIENT_GONE`` when the client
@@ -182,7 +193,7 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, name: st
         async for chunk in upstream_chunks:
             yield chunk
 
-    response = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
+    response = _StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
     try:
         await response.prepare(request)
     except ConnectionError:  # the client left while the replica was answering

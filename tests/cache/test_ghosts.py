@@ -28,3 +28,15 @@ def test_an_idle_ring_costs_nothing_and_a_batch_past_its_bound_keeps_its_newest(
     small = GhostRing(3)
     small.note([1, 2, 3, 4, 5], 7)
     assert small.stamps([1, 2, 3, 4, 5]).tolist() == [-1, -1, 7, 7, 7] and len(small) == 3
+
+
+def test_a_ring_filled_a_block_at_a_time_grows_to_its_bound():
+    """vLLM publishes one ``BlockRemoved`` a block evicted: the ring must keep growing past the
+    size it first took, not wrap there."""
+    ring = GhostRing(5000)
+    for h in range(1, 5001):
+        ring.note([h], h)
+    assert len(ring) == 5000 and ring.stamps([1, 1024, 1025, 5000]).tolist() == [1, 1024, 1025, 5000]
+    ring.note([5001], 5001)
+    assert len(ring) == 5000 and ring.stamps([1, 2, 5001]).tolist() == [-1, 2, 5001]
+    assert GhostRing(0).stamps([1]).tolist() == [-1]

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from prefix_router.cache.u64map import DictMap, U64Map
+from prefix_router.cache.u64map import IdTable, U64Map
 
 
 @pytest.mark.parametrize("dtype", [np.uint64, np.uint32])
@@ -32,10 +32,22 @@ def test_the_u64_map_answers_as_a_dict_through_merges_deletes_and_sweeps(dtype):
     assert len(m) == len(ref) and dict(zip(*m.items())) == ref
 
 
-def test_a_dict_map_answers_with_the_same_batch_calls():
-    m = DictMap(np.uint32)
-    m.put([5, 2**64 - 1], [3, 4])
-    m.delete([5, 6])
-    assert m.values_of([5, 2**64 - 1, 7]).tolist() == [0, 4, 0] and len(m) == 1
-    m.map_values(np.array([0, 0, 0, 0, 9], np.uint32))
-    assert m.values().tolist() == [9]
+def test_an_id_table_answers_as_a_dict_through_growth_tombstones_and_rebuilds():
+    rng = random.Random(5)
+    table, ref = IdTable(16), {}
+    keys = [rng.getrandbits(64) for _ in range(5000)] + [0, 2**64 - 1]
+    for step in range(2500):
+        some = [rng.choice(keys) for _ in range(rng.choice([1, 7, 40, 5000]) if step % 97 == 0 else rng.randrange(1, 30))]
+        if rng.random() < 0.55:
+            values = [rng.randrange(1, 2**32 - 1) for _ in some]
+            table.put(some, values)
+            ref.update(zip(some, values))
+        else:
+            table.delete(some)
+            for k in some:
+                ref.pop(k, None)
+        if step % 25 == 0:
+            asked = rng.sample(keys, 200)
+            assert table.values_of(asked).tolist() == [ref.get(k, 0) for k in asked], step
+            assert len(table) == len(ref) and sorted(table.values().tolist()) == sorted(ref.values())
+            assert table._used * 10 <= len(table._keys) * 7  # at most 70% of the slots used, live or deleted
