@@ -3,7 +3,7 @@
 Each ``EngineView`` (``cache/engine_view.py``) reports here the blocks its engine stores and
 removes, by KV events, and the blocks routed to its replica and not yet confirmed (in flight, or
 lately released); ``drops`` then matches a prompt against every replica in one walk
-(``cache/holders.py``, ``match_all``). Stored blocks live in an ``IdTable`` (``cache/u64map.py``,
+(``cache/holders.py``, ``match_all``). Stored blocks live in an ``IdTable`` (``cache/id_table.py``,
 a hash table of numpy arrays): a block hash, 8 bytes, and a 4-byte id of its holders' mask, the
 masks themselves interned (a fleet has few distinct sets of holders: one replica's own blocks, a
 prompt every replica holds). So memory grows with the distinct blocks of the fleet, 12 bytes a
@@ -19,7 +19,8 @@ from itertools import compress
 import numpy as np
 
 from prefix_router.cache.blocks import BlockHash
-from prefix_router.cache.u64map import SMALL, IdTable
+from prefix_router.cache.id_table import IdTable
+from prefix_router.cache.u64map import SMALL
 
 __all__ = ["EngineMap"]
 
