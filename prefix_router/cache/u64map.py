@@ -40,10 +40,6 @@ class U64Map:
         """Bytes of the arrays (the recent changes are not counted)."""
         return self._keys.nbytes + self._vals.nbytes + self._alive.nbytes
 
-    def may_hold_any(self) -> bool:
-        """False only when the map is surely empty (without merging)."""
-        return bool(len(self._keys) or self._delta)
-
     def get(self, keys: Sequence[int]) -> tuple[list[bool], list[int]]:
         """``(found, values)`` for ``keys``, a value 0 where not found."""
         if len(keys) <= SMALL:
@@ -126,16 +122,6 @@ class U64Map:
         self._merge()
         alive = self._alive
         return self._keys[alive].tolist(), self._vals[alive].tolist()
-
-    def values(self) -> np.ndarray:
-        """Every live value, as an array."""
-        self._merge()
-        return self._vals[self._alive]
-
-    def map_values(self, table: np.ndarray) -> None:
-        """Replace every value ``v`` by ``table[v]`` (for integer values below ``len(table)``)."""
-        self._merge()
-        self._vals = table[self._vals].astype(self.dtype, copy=False)
 
     def __len__(self) -> int:
         self._merge()
