@@ -59,8 +59,11 @@ def match_all(hashes: Sequence[BlockHash], indexes: Mapping[str, Index], cap: in
                 out[name] = min(index.match(hashes), cap)
             continue
         names = dict(zip(map(_BIT, group.values()), group))
-        for bits, depth in holders.drops(hashes, sum(names), cap):
-            if bits.bit_count() < 8:
+        everyone = sum(names)
+        for bits, depth in holders.drops(hashes, everyone, cap):
+            if bits == everyone:  # the whole group at one depth (a prompt every replica holds)
+                out.update(dict.fromkeys(group, depth))
+            elif bits.bit_count() < 8:
                 while bits:
                     low = bits & -bits
                     out[names[low]] = depth

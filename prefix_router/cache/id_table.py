@@ -18,8 +18,9 @@ from prefix_router.cache.u64map import SMALL
 __all__ = ["IdTable", "WINDOW"]
 
 _TOMB = np.uint32(0xFFFF_FFFF)  # a slot deleted
-WINDOW = 8  # slots a probe reads a numpy round: a key's home is the start of a window
+WINDOW = 8  # slots a probe reads a numpy round: a key's home is the start of a window (8: a row of bools is a word)
 _M64 = (1 << 64) - 1
+PROBE_IN_PYTHON = 8  # keys left to find below which a probe goes on in Python (a numpy round costs about as much as 8 keys probed in Python)
 
 
 class IdTable:
@@ -66,17 +67,19 @@ class IdTable:
         mult, shift = int(self._mult), int(self._shift)
         return [(((k * mult) & _M64) >> shift) & ~(WINDOW - 1) for k in keys]
 
-    def _find(self, query: np.ndarray) -> np.ndarray:
-        """Each key's slot, -1 where absent: a probe ends at a match or an empty slot."""
+    def _find(self, query: np.ndarray, row: np.ndarray | None = None) -> np.ndarray:
+        """Each key's slot, -1 where absent: a probe ends at a match or an empty slot. ``row``:
+        the window each probe starts at, when not the key's home (``values_of`` read that)."""
         pos = np.full(len(query), -1, np.intp)
-        todo, row = np.arange(len(query)), self._home(query) // WINDOW
+        todo, row = np.arange(len(query)), self._home(query) // WINDOW if row is None else row
         keys, ids = self._keys.reshape(-1, WINDOW), self._ids.reshape(-1, WINDOW)  # a window a row
         rows = len(keys)
         while len(todo):
-            if len(todo) <= SMALL:  # the few in long runs of slots: on in Python, not a numpy round a window
+            if len(todo) <= PROBE_IN_PYTHON:  # the few in long runs of slots: on in Python, not a numpy round a window
                 pos[todo] = self._probe_from(query[todo].tolist(), (row * WINDOW).tolist())
                 break
-            at = np.flatnonzero(keys[row] == query[todo][:, None])  # equal keys; live ones are a slot a key
+            # rows by ``take``: numpy's fancy indexing of a 2-D array's rows is several times slower
+            at = np.flatnonzero(keys.take(row, axis=0) == query[todo][:, None])  # equal keys; live ones are a slot a key
             first = at // WINDOW
             slot = row[first] * WINDOW + at % WINDOW
             held = self._ids[slot]
@@ -86,7 +89,7 @@ class IdTable:
             missed = np.ones(len(todo), bool)
             missed[first] = False
             missed = np.flatnonzero(missed)
-            go = missed[ids[row[missed]].min(axis=1) != 0]  # an empty slot ends a probe: the key is not further on
+            go = missed[ids.take(row[missed], axis=0).min(axis=1) != 0]  # an empty slot ends a probe: the key is not further on
             todo, row = todo[go], (row[go] + 1) % rows
         return pos
 
@@ -95,19 +98,23 @@ class IdTable:
         return self._probe_from(keys, self._start(keys))
 
     def _probe_from(self, keys: Sequence[int], starts: Sequence[int]) -> list[int]:
-        """Each key's slot, -1 where absent, probing from ``starts`` in Python."""
+        """Each key's slot, -1 where absent, probing in Python from ``starts`` (the first slots of
+        windows), a window read at a time (one numpy scalar a slot costs several times more)."""
         out = []
-        stored, ids, mask = self._keys, self._ids, self._mask
+        stored, ids, mask, tomb = self._keys, self._ids, self._mask, int(_TOMB)
         for k, at in zip(keys, starts):
             while True:
-                v = int(ids[at])
-                if v == 0:
-                    out.append(-1)
+                window = ids[at:at + WINDOW].tolist()
+                if k in (found := stored[at:at + WINDOW].tolist()):  # live or deleted
+                    slot = next((at + i for i, (v, key) in enumerate(zip(window, found))
+                                 if key == k and v != 0 and v != tomb), -1)
+                    if slot >= 0:
+                        break
+                if 0 in window:  # an empty slot ends the probe (no key is placed past one)
+                    slot = -1
                     break
-                if v != _TOMB and int(stored[at]) == k:
-                    out.append(at)
-                    break
-                at = (at + 1) & mask
+                at = (at + WINDOW) & mask
+            out.append(slot)
         return out
 
     def change_small(self, keys: Sequence[int], change) -> list[int]:
@@ -149,8 +156,22 @@ class IdTable:
             return np.array(self.ids_small(keys), np.uint32)
         if not self._live or not len(keys):
             return np.zeros(len(keys), np.uint32)
-        pos = self._find(np.frombuffer(packed_hashes(keys, len(keys)), np.uint64, len(keys)))
-        return np.where(pos >= 0, self._ids[pos], 0).astype(np.uint32)
+        query = np.frombuffer(packed_hashes(keys, len(keys)), np.uint64, len(keys))
+        # most keys are settled in their home window, read for all at once: a live slot with the
+        # key, or an empty slot (the key is absent); ``_find`` probes on for the rest
+        row = self._home(query) // WINDOW
+        window = self._ids.reshape(-1, WINDOW).take(row, axis=0)
+        equal = self._keys.reshape(-1, WINDOW).take(row, axis=0) == query[:, None]
+        equal &= window - np.uint32(1) < _TOMB - np.uint32(1)  # live slots (an empty one's key is 0, a deleted one's kept)
+        at = np.flatnonzero(equal)  # (reductions along a row of 8 are slow in numpy: none here)
+        found = np.zeros(len(query), np.uint32)
+        found[at // WINDOW] = window.ravel()[at]
+        open_row = (window == 0).view(np.uint64).ravel() != 0  # a row of 8 bools read as one word
+        rest = np.flatnonzero((found == 0) & ~open_row)
+        if len(rest):
+            pos = self._find(query[rest], (row[rest] + 1) % (len(self._keys) // WINDOW))
+            found[rest] = np.where(pos >= 0, self._ids[pos], 0)
+        return found
 
     def put(self, keys: Sequence[int], values: Sequence[int]) -> None:
         """Set ``keys`` to ``values`` (ids; a key given twice: the last value)."""

@@ -67,6 +67,7 @@ from prefix_router.routing.ring import Ring
 __all__ = ["PrefixAffinityPolicy", "make_policy"]
 
 _ENGINE = attrgetter("engine")
+_SHADOW = attrgetter("shadow")
 _LOAD_THEN_SHARE = attrgetter("load", "recent")
 _PREFILL_THEN_LOAD = attrgetter("prefill", "load")
 
@@ -99,7 +100,7 @@ class PrefixAffinityPolicy:
         cap = len(hashes) if max_hit_blocks is None else max_hit_blocks
         depth, key = routing_key(self.branches, self.config.max_key_blocks, hashes, full_hash, session_key)
         order = [n for n in self.ring.candidates(key) if n in replicas] or sorted(replicas)
-        matches = match_all(hashes, {n: v.shadow for n, v in replicas.items()}, cap)
+        matches = match_all(hashes, dict(zip(replicas, map(_SHADOW, replicas.values()))), cap)
         bounds = Bounds.of(self.config, replicas)
         owner = order[0]
         choose = self._chooser(matches, replicas, hashes, depth)
@@ -128,7 +129,7 @@ class PrefixAffinityPolicy:
             if leave:
                 fitting = [r for r in order if r in taken or r in leave]
         if fitting:
-            replica = choose(fitting)
+            replica = preferred if fitting == order else choose(fitting)  # nobody past a bound: chosen already
         else:  # loads that are not what the bound assumes (negative); not reached otherwise
             replica = min(order, key=lambda n: replicas[n].load)
         if replica != preferred:

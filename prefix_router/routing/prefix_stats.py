@@ -40,6 +40,7 @@ class BranchStats:
         self.threshold = threshold
         self.max_blocks = max_blocks
         self._next: OrderedDict[BlockHash, BlockHash | set[BlockHash] | bool] = OrderedDict()
+        self._shared: set[BlockHash] = set()  # the blocks marked shared, for ``key_depth``
 
     def __len__(self) -> int:
         return len(self._next)
@@ -60,9 +61,15 @@ class BranchStats:
             if not isinstance(seen, set):
                 seen = {seen}
             seen.add(successor)
-            table[block] = shared if len(seen) >= self.threshold else seen
+            if len(seen) >= self.threshold:
+                table[block] = shared
+                self._shared.add(block)
+            else:
+                table[block] = seen
         while len(table) > self.max_blocks:
-            table.popitem(last=False)
+            old, seen = table.popitem(last=False)
+            if seen is shared:
+                self._shared.discard(old)
 
     def is_shared(self, block: BlockHash) -> bool:
         """Whether ``block`` was seen followed by at least ``threshold`` different blocks."""
@@ -73,13 +80,12 @@ class BranchStats:
         shared (branching) block within ``max_depth``; 1 when no branching block is known.
         May exceed ``len(hashes)`` when the prompt ends inside the shared prefix.
         """
-        table = self._next
-        shared = self._SHARED
-        depth = 1
-        for i in range(min(max_depth, len(hashes))):
-            if table.get(hashes[i]) is shared:
-                depth = i + 2
-        return depth
+        n = min(max_depth, len(hashes))
+        found = self._shared.intersection(hashes[:n])  # in C: few blocks branch
+        if not found:
+            return 1
+        backwards = hashes[n - 1::-1] if isinstance(hashes, list) else list(hashes[:n])[::-1]
+        return n + 1 - min(map(backwards.index, found))  # the last of them: a block may recur
 
 
 class PrefixDemand:

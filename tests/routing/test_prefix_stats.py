@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefix_router.cache.blocks import BlockHash, block_hashes, seed_hash
 from prefix_router.routing.prefix_stats import BranchStats, PrefixDemand
@@ -19,6 +21,23 @@ def fresh(n: int) -> list[BlockHash]:
 
 
 # --- BranchStats ---------------------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=12), min_size=1, max_size=30),
+       st.integers(2, 3), st.integers(2, 20), st.integers(1, 14))
+def test_key_depth_is_one_past_the_deepest_shared_block_as_is_shared_tells_it(prompts, threshold, max_blocks,
+                                                                              max_depth):
+    """``key_depth`` reads a set of the shared blocks kept beside the LRU table: it answers as a
+    walk of the prompt asking ``is_shared`` of every block would, however the LRU bound drops
+    entries, and for prompts whose blocks recur (a small alphabet of hashes)."""
+    stats = BranchStats(threshold=threshold, max_blocks=max_blocks)
+    for prompt in prompts:
+        stats.record(prompt, depth=len(prompt))
+        for query in prompts[:5]:
+            walked = [i + 2 for i, h in enumerate(query[:max_depth]) if stats.is_shared(h)]
+            assert stats.key_depth(query, max_depth) == (walked[-1] if walked else 1)
+            assert stats.key_depth(tuple(query), max_depth) == (walked[-1] if walked else 1)
+
 
 def test_a_block_followed_by_threshold_different_blocks_makes_the_key_reach_one_block_past_it():
     threshold = 4
