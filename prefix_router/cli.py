@@ -292,10 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_sim(sub)
     from prefix_router.tools.audit import add_parser as add_audit
     from prefix_router.tools.demo import add_parser as add_demo
+    from prefix_router.tools.fleetsim.cli import add_parser as add_fleetsim
     from prefix_router.tools.gate import add_parser as add_gate
     from prefix_router.tools.replay.cli import add_parser as add_replay
 
     add_replay(sub)
+    add_fleetsim(sub)
     add_demo(sub)
     add_audit(sub)
     add_gate(sub)

@@ -1,0 +1,98 @@
+"""``prefix-router fleetsim``: a trace through N modelled replicas in virtual time, one run a
+policy, side by side; with ``--slo-ttft-p99``, each policy's capacity at that objective."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from prefix_router.tools.fleetsim.router import POLICIES
+from prefix_router.tools.replay.generate import WORKLOADS
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fleetsim", help="simulate a fleet of N replicas in virtual time under each routing policy",
+                       description="Run a trace (Mooncake .jsonl, SWE-agent .traj or a folder, a request log) or a "
+                                   "built-in workload through N modelled vLLM replicas (the simulator's engine "
+                                   "model, H100 timing) routed by this gateway's policy and the peers' rules, "
+                                   "in virtual time: any fleet size, repeatable for a seed.")
+    p.add_argument("--trace", default=None, help="Mooncake .jsonl, a .traj file or folder, or a request log")
+    p.add_argument("--workload", default="mixed", choices=WORKLOADS, help="built-in workload when no --trace")
+    p.add_argument("--replicas", type=int, required=True, help="replicas in the fleet")
+    p.add_argument("--policy", action="append", choices=POLICIES,
+                   help="a policy to run (repeat; default: all of them)")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="divide trace times and think times by this")
+    p.add_argument("--slo-ttft-p99", type=float, default=None, metavar="S",
+                   help="find each policy's capacity: the highest rate with TTFT p99 at most S seconds")
+    p.add_argument("--limit", type=int, default=None, help="first N requests only")
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks a replica (default: an H100's 28,000)")
+    p.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between scrapes of a replica's queue")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder for chats and text (default: built-in bytes)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the built-in workload and the generated tokens")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the figures here, an object keyed by policy")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from tqdm import tqdm
+
+    from prefix_router.prompts.tokenizer import load_tokenizer
+    from prefix_router.tools.fleetsim.capacity import capacity
+    from prefix_router.tools.fleetsim.jobs import load_jobs
+    from prefix_router.tools.fleetsim.run import FleetConfig, simulate
+    from prefix_router.tools.sim.config import SimConfig
+
+    if args.replicas < 1 or args.rate_scale <= 0 or args.scrape_interval <= 0:
+        print("prefix-router fleetsim: --replicas, --rate-scale and --scrape-interval must be positive", file=sys.stderr)
+        return 2
+    try:
+        requests = load_jobs(args.trace, workload=args.workload, limit=args.limit, seed=args.seed)
+        tokenizer = load_tokenizer(args.tokenizer)
+    except (OSError, ValueError) as exc:
+        print(f"prefix-router fleetsim: {exc}", file=sys.stderr)
+        return 2
+    engine = SimConfig(seed=args.seed)
+    if args.num_gpu_blocks is not None:
+        engine = replace(engine, num_gpu_blocks=args.num_gpu_blocks).validate()
+    fleet = FleetConfig(replicas=args.replicas, engine=engine, rate_scale=args.rate_scale,
+                        scrape_interval_s=args.scrape_interval)
+    out: dict[str, dict] = {}
+    for policy in args.policy or POLICIES:
+        if args.slo_ttft_p99 is None:
+            with tqdm(total=len(requests), desc=policy, unit="req", leave=False, disable=None) as bar:
+                out[policy] = simulate(requests, policy, fleet, tokenizer, progress=bar.update)
+        else:
+            with tqdm(desc=f"{policy}: rates tried", unit="run", leave=False, disable=None) as bar:
+                out[policy] = capacity(requests, policy, fleet, tokenizer, args.slo_ttft_p99,
+                                       on_run=lambda scale, figures: bar.update(1))
+    print(_table(out, args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+def _table(out: dict[str, dict], args: argparse.Namespace) -> str:
+    capacity = args.slo_ttft_p99 is not None
+    head = ["policy", "token hit rate", "busiest / fair", "TTFT p50 (s)", "TTFT p99 (s)", "requests"]
+    if capacity:
+        head.append(f"capacity at TTFT p99 <= {args.slo_ttft_p99:g} s (req/s)")
+    rows = [head]
+    for policy, f in out.items():
+        row = [policy, f"{f['token_hit_rate']:.3f}", f"{f['busiest_over_fair']:.2f}",
+               _s(f["ttft_p50_s"]), _s(f["ttft_p99_s"]), str(f["requests"])]
+        if capacity:
+            row.append("above every rate tried" if f["capacity_rps"] is None else f"{f['capacity_rps']:.2f}")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

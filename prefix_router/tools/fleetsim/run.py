@@ -1,0 +1,172 @@
+"""The fleet simulator's loop: replicas, a gateway and clients in one process, in virtual time.
+
+Discrete events on one heap, ordered by time, then by the order they were made (so a seed gives
+one run): a request arriving (the gateway routes it at once and the replica queues it), an engine
+step ending on a replica, a scrape of a replica's queue. Each replica is the simulator's own
+engine model (``tools/sim/scheduler.py``: vLLM's scheduler, prefix cache and eviction;
+``tools/sim/config.py``: H100 timing), stepped by events instead of the wall clock: a step starts
+when one ends or a request arrives at an idle replica, and takes ``SimConfig.step_seconds``. A
+session's next turn is sent its think time after the previous one ended, as ``prefix-router
+replay`` sends it; a request without a session at its trace time over ``rate_scale``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from prefix_router.prompts.tokenizer import PromptTokenizer
+from prefix_router.tools.fleetsim.jobs import new_blocks, prompt_of
+from prefix_router.tools.fleetsim.router import Sent, SimRouter
+from prefix_router.tools.replay.request import ReplayRequest
+from prefix_router.tools.replay.summary import percentile
+from prefix_router.tools.sim.config import SimConfig
+from prefix_router.tools.sim.scheduler import Scheduler, SimRequest, Step
+
+__all__ = ["FleetConfig", "simulate"]
+
+_ARRIVE, _STEP, _SCRAPE = 0, 1, 2
+_MODEL = "sim"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FleetConfig:
+    """One simulated fleet: ``replicas`` engines of ``engine``, scraped every ``scrape_interval_s``
+    (the gateway's ``scrape.interval_s``), a request's trace time divided by ``rate_scale``."""
+
+    replicas: int
+    engine: SimConfig = field(default_factory=SimConfig)
+    scrape_interval_s: float = 1.0
+    rate_scale: float = 1.0
+    char_block_size: int = 64
+    default_max_tokens: int = 64
+
+
+class _Replica:
+    __slots__ = ("name", "scheduler", "step", "state")
+
+    def __init__(self, name: str, engine: SimConfig, state) -> None:
+        self.name = name
+        self.scheduler = Scheduler(engine, vocab_size=1 << 17)
+        self.step: Step | None = None  # the step running, if any
+        self.state = state  # the gateway's ReplicaState of it
+
+
+def simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig, tokenizer: PromptTokenizer,
+             progress: Callable[[int], None] | None = None, records: list[dict] | None = None) -> dict:
+    """Run ``requests`` through a fleet routed by ``policy``; its figures: ``token_hit_rate`` (the
+    engines' own counters), ``busiest_over_fair`` (requests to the busiest replica over the mean),
+    ``ttft_p50_s``/``ttft_p99_s`` (send to first token), ``requests`` (served), ``rejected``
+    (prompts no engine takes), ``duration_s`` (virtual). ``progress`` is called with each
+    request done; ``records`` gets a dict a request served: its index, replica, the times it was
+    sent, had its first token and ended, and its prompt and cached tokens."""
+    engine, block_size = fleet.engine, fleet.engine.block_size
+    # vLLM refuses to start with a max_model_len its KV cache cannot hold: a longer one would
+    # leave a request no replica can ever schedule
+    engine = replace(engine, max_model_len=min(engine.max_model_len, (engine.num_gpu_blocks - 1) * block_size))
+    names = [f"replica-{i}" for i in range(fleet.replicas)]
+    router = SimRouter(names, policy, block_size=block_size, capacity=engine.num_gpu_blocks)
+    replicas = {n: _Replica(n, engine, router.replicas[n]) for n in names}
+    heap: list = []
+    order = itertools.count()
+
+    arrivals = 0  # arrivals on the heap: scrapes go on while any is to come or a request runs
+
+    def push(t: float, kind: int, payload) -> None:
+        nonlocal arrivals
+        arrivals += kind == _ARRIVE
+        heapq.heappush(heap, (t, next(order), kind, payload))
+
+    chains: dict[str, list[int]] = {}
+    for i, r in enumerate(requests):
+        chains.setdefault(r.session if r.session is not None else f"#{i}", []).append(i)
+    next_turn = {chain[k]: chain[k + 1] for chain in chains.values() for k in range(len(chain) - 1)}
+    for chain in chains.values():
+        push(requests[chain[0]].at_s / fleet.rate_scale, _ARRIVE, chain[0])
+    for k, name in enumerate(names):  # a round of scrapes spread over the interval (fleet/replicas.spread)
+        push(fleet.scrape_interval_s * (1 + k / len(names)), _SCRAPE, name)
+
+    blocks = new_blocks(512)
+    inflight: dict[SimRequest, tuple[int, Sent, float]] = {}
+    ttfts: list[float] = []
+    done = rejected = 0
+    now = 0.0
+
+    def start(replica: _Replica, t: float) -> None:
+        step = replica.scheduler.schedule()
+        replica.step = step if step.scheduled else None
+        if replica.step is not None:
+            push(t + engine.step_seconds(step.num_prefill_tokens, step.num_decode_context_tokens), _STEP, replica.name)
+
+    def arrive(i: int, t: float) -> None:
+        nonlocal rejected
+        request = requests[i]
+        try:
+            info, ids = prompt_of(request, tokenizer, block_size=block_size, char_block_size=fleet.char_block_size,
+                                  blocks=blocks)
+        except ValueError:
+            ids = []
+        if not ids or len(ids) >= engine.max_model_len:
+            rejected += 1
+            follow(i, t)
+            return
+        sent = router.send(info, request.session, t)
+        replica = replicas[sent.replica.name]
+        max_tokens = int(request.body.get("max_tokens") or fleet.default_max_tokens)
+        job = SimRequest(str(i), ids, max(max_tokens, 1), model=_MODEL, arrival_s=t)
+        inflight[job] = (i, sent, t)
+        replica.scheduler.add(job)
+        if replica.step is None:
+            start(replica, t)
+
+    def follow(i: int, t: float) -> None:
+        j = next_turn.get(i)
+        if j is not None:
+            push(t + requests[j].think_s / fleet.rate_scale, _ARRIVE, j)
+
+    def step_ended(replica: _Replica, t: float) -> None:
+        nonlocal done
+        for job in replica.scheduler.finish_step(replica.step, t):
+            i, sent, sent_at = inflight[job]
+            if job.num_output_tokens == 1:
+                ttfts.append(t - sent_at)
+                router.first_token(sent)
+            if job.finish_reason is not None:
+                del inflight[job]
+                router.finished(sent, job.num_output_tokens)
+                done += 1
+                if records is not None:
+                    records.append({"request": i, "replica": replica.name, "sent_s": sent_at,
+                                    "first_token_s": job.first_token_s, "end_s": t,
+                                    "prompt_tokens": job.num_prompt_tokens, "cached_tokens": job.num_cached_tokens})
+                if progress is not None:
+                    progress(1)
+                follow(i, t)
+        start(replica, t)
+
+    while heap:
+        now, _, kind, payload = heapq.heappop(heap)
+        if kind == _ARRIVE:
+            arrivals -= 1
+            arrive(payload, now)
+        elif kind == _STEP:
+            step_ended(replicas[payload], now)
+        elif inflight or arrivals:
+            replica = replicas[payload]
+            router.scraped(replica.state, len(replica.scheduler.waiting), len(replica.scheduler.running))
+            push(now + fleet.scrape_interval_s, _SCRAPE, payload)
+    return _figures(replicas, router, ttfts, done, rejected, now)
+
+
+def _figures(replicas: dict, router: SimRouter, ttfts: list[float], done: int, rejected: int, end: float) -> dict:
+    queries = sum(r.scheduler.kv.num_queries for r in replicas.values())
+    hits = sum(r.scheduler.kv.num_hits for r in replicas.values())
+    sent = router.sent_to.values()
+    fair = sum(sent) / len(replicas) if replicas else 0.0
+    return {"token_hit_rate": hits / queries if queries else 0.0,
+            "busiest_over_fair": max(sent) / fair if fair else 0.0,
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+            "requests": done, "rejected": rejected, "duration_s": end,
+            "preemptions": sum(r.scheduler.num_preemptions for r in replicas.values())}

@@ -1,0 +1,82 @@
+"""The fleet simulator's loop (``tools/fleetsim/run.py``): repeatable for a seed, in any process;
+sessions wait for their answers; the figures are the engines' and the gateway's own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from prefix_router.prompts.tokenizer import load_tokenizer
+from prefix_router.tools.fleetsim.run import FleetConfig, simulate
+from prefix_router.tools.replay.generate import builtin_workload
+from prefix_router.tools.replay.request import COMPLETIONS, ReplayRequest
+from prefix_router.tools.sim.config import SimConfig
+
+SMALL = SimConfig(num_gpu_blocks=2000)
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    return builtin_workload("mixed", sessions=16)
+
+
+def test_two_runs_of_one_seed_give_identical_figures_and_records(mixed):
+    tok = load_tokenizer(None)
+    runs = []
+    for _ in range(2):
+        records: list[dict] = []
+        figures = simulate(mixed, "prefix-router", FleetConfig(replicas=4, engine=SMALL), tok, records=records)
+        runs.append((figures, records))
+    assert runs[0] == runs[1] and runs[0][0]["requests"] == len(mixed)
+
+
+def test_a_run_in_another_process_with_another_hash_seed_prints_the_same_figures(mixed):
+    code = ("import json; from prefix_router.prompts.tokenizer import load_tokenizer;"
+            "from prefix_router.tools.fleetsim.run import FleetConfig, simulate;"
+            "from prefix_router.tools.replay.generate import builtin_workload;"
+            "from prefix_router.tools.sim.config import SimConfig;"
+            "print(json.dumps(simulate(builtin_workload('mixed', sessions=16), 'prefix-router',"
+            " FleetConfig(replicas=4, engine=SimConfig(num_gpu_blocks=2000)), load_tokenizer(None))))")
+    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
+    here = simulate(mixed, "prefix-router", FleetConfig(replicas=4, engine=SMALL), load_tokenizer(None))
+    assert json.loads(outs[0]) == json.loads(outs[1]) == json.loads(json.dumps(here))
+
+
+def test_a_sessions_turn_is_sent_only_after_its_previous_turn_ended(mixed):
+    records: list[dict] = []
+    simulate(mixed, "round-robin", FleetConfig(replicas=4, engine=SMALL), load_tokenizer(None), records=records)
+    by_request = {r["request"]: r for r in records}
+    turns = [(i, r) for i, r in enumerate(mixed) if r.session is not None]
+    previous: dict[str, int] = {}
+    checked = 0
+    for i, r in turns:
+        if r.session in previous:
+            before = by_request[previous[r.session]]
+            assert by_request[i]["sent_s"] >= before["end_s"] + r.think_s - 1e-9
+            checked += 1
+        previous[r.session] = i
+    assert checked > len(mixed) // 2
+
+
+def test_affinity_reuses_more_of_the_prompts_than_round_robin_on_the_built_in_mix(mixed):
+    """The loss the gateway exists to stop: round-robin spreads a conversation over the fleet."""
+    tok = load_tokenizer(None)
+    fleet = FleetConfig(replicas=8, engine=SMALL)
+    ours = simulate(mixed, "prefix-router", fleet, tok)
+    spread = simulate(mixed, "round-robin", fleet, tok)
+    assert ours["token_hit_rate"] > spread["token_hit_rate"] + 0.1
+    assert spread["busiest_over_fair"] < 1.2
+
+
+def test_a_prompt_longer_than_a_replicas_cache_is_refused_not_left_waiting_forever():
+    """vLLM will not start with a max_model_len its cache cannot hold; a prompt past it is refused."""
+    long = ReplayRequest(COMPLETIONS, {"prompt": list(range(300, 300 + 40 * 16)), "max_tokens": 4})
+    short = ReplayRequest(COMPLETIONS, {"prompt": list(range(300, 300 + 4 * 16)), "max_tokens": 4}, at_s=1.0)
+    figures = simulate([long, short], "prefix-router", FleetConfig(replicas=2, engine=SimConfig(num_gpu_blocks=32)),
+                       load_tokenizer(None))
+    assert figures["rejected"] == 1 and figures["requests"] == 1
