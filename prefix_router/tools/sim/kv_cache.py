@@ -71,12 +71,17 @@ class KVCache:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
-        self.blocks = [Block(i) for i in range(num_gpu_blocks)]
-        # Free blocks in eviction order, front first. vLLM uses a doubly linked list for O(1)
-        # removal from the middle (a hit on a free block); OrderedDict gives the same in C.
-        self.free_queue: OrderedDict[int, Block] = OrderedDict(
-            (b.block_id, b) for b in self.blocks[1:]
-        )
+        # Free blocks in eviction order, front first, as vLLM's ``FreeKVCacheBlockQueue`` holds
+        # them (a doubly linked list: O(1) removal from the middle, a hit on a free block;
+        # OrderedDict gives the same in C), in three parts, so that a pool of 28,000 blocks
+        # costs nothing until used (a fleet of 256 replicas is 7 million blocks): blocks a
+        # request freed uncached, put first; then the blocks never used, ids ``_fresh`` up,
+        # made when taken; then the blocks freed cached, in the order freed. Every block
+        # freed goes to either end, so the never-used ones stay in one run between.
+        self._front: OrderedDict[int, Block] = OrderedDict()
+        self._fresh = 1  # block 0 is the null block
+        self._back: OrderedDict[int, Block] = OrderedDict()
+        self.blocks: dict[int, Block] = {}  # the blocks made so far, by id
         # hash -> block, or block_id -> block when several blocks hold the same hash.
         self.cached: dict[BlockHash, Block | dict[int, Block]] = {}
         self.num_queries = 0
@@ -89,12 +94,12 @@ class KVCache:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be allocated now (cached-but-idle blocks count as free)."""
-        return len(self.free_queue)
+        return len(self._front) + self.num_gpu_blocks - self._fresh + len(self._back)
 
     @property
     def usage(self) -> float:
         """Fraction of usable blocks held by running requests (``vllm:kv_cache_usage_perc``)."""
-        return 1.0 - len(self.free_queue) / (self.num_gpu_blocks - 1)
+        return 1.0 - self.num_free_blocks / (self.num_gpu_blocks - 1)
 
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:
         """The first block cached under ``block_hash``, or None."""
@@ -131,22 +136,32 @@ class KVCache:
         new = max(required - len(held) - len(hit), 0)
         return new + sum(1 for b in hit if b.ref_cnt == 0)
 
+    def _take_free(self) -> Block:
+        """The block at the front of the free queue, out of it."""
+        if self._front:
+            return self._front.popitem(last=False)[1]
+        if self._fresh < self.num_gpu_blocks:
+            block = self.blocks[self._fresh] = Block(self._fresh)
+            self._fresh += 1
+            return block
+        return self._back.popitem(last=False)[1]
+
     def allocate(self, held: list[Block], hit: Sequence[Block], num_tokens: int) -> bool:
         """Give a request slots for its first ``num_tokens`` tokens, appending to ``held``.
 
         ``hit`` are prefix-cache blocks found for a request that holds none yet. Returns False,
         changing nothing, when the free queue is too short (the scheduler then waits or preempts).
         """
-        if self.num_blocks_to_allocate(held, hit, num_tokens) > len(self.free_queue):
+        if self.num_blocks_to_allocate(held, hit, num_tokens) > self.num_free_blocks:
             return False
         for block in hit:
-            if block.ref_cnt == 0:
-                del self.free_queue[block.block_id]
+            if block.ref_cnt == 0:  # a cached block freed: at the back (only uncached ones go first)
+                del self._back[block.block_id]
             block.ref_cnt += 1
             held.append(block)
         required = -(-num_tokens // self.block_size)
         for _ in range(required - len(held)):
-            _, block = self.free_queue.popitem(last=False)
+            block = self._take_free()
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
@@ -187,26 +202,26 @@ class KVCache:
     def free(self, held: Sequence[Block]) -> None:
         """Release a request's blocks, tail first, keeping their cached contents."""
         evict_first: list[Block] = []
-        queue = self.free_queue
+        back, front = self._back, self._front
         for block in reversed(held):
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:
                     evict_first.append(block)
                 else:
-                    queue[block.block_id] = block
+                    back[block.block_id] = block
         for block in reversed(evict_first):
-            queue[block.block_id] = block
-            queue.move_to_end(block.block_id, last=False)
+            front[block.block_id] = block
+            front.move_to_end(block.block_id, last=False)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, as vLLM's ``BlockPool.reset_prefix_cache`` does: refused
         (False) while any block is held by a request, else True and an ``AllBlocksCleared``
         event. The query and hit counters are cumulative and keep counting."""
-        if len(self.free_queue) != self.num_gpu_blocks - 1:
+        if self.num_free_blocks != self.num_gpu_blocks - 1:
             return False
         self.cached.clear()
-        for block in self.blocks:
+        for block in self.blocks.values():
             block.block_hash = None
         if self.record_events:
             self.events.append(AllBlocksCleared())

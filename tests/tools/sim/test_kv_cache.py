@@ -220,3 +220,50 @@ def test_duplicate_blocks_keep_a_hash_hittable_when_one_copy_is_evicted():
     kv.allocate(taken, [], 3 * BS)  # takes 2 partial blocks, then evicts a[0]
     assert a[0] in taken
     assert kv.get_cached_block(h[0]) is b[0]
+
+
+def test_the_free_queue_hands_out_blocks_in_vllms_order_though_unused_blocks_are_made_when_taken():
+    """vLLM's free queue starts as every block in id order; a request's blocks are freed tail
+    first, cached ones to the back, uncached ones to the front; allocation takes from the front,
+    and a hit takes a free cached block out of the middle. The pool makes a block only when it is
+    first taken: the blocks it hands out, and its count of free ones, are those of one queue of
+    all the blocks (the model here) under random requests, hits, partial blocks and frees."""
+    import random
+    from collections import OrderedDict
+
+    rng = random.Random(5)
+    n = 40
+    kv = KVCache(n, BS)
+    model = OrderedDict((i, None) for i in range(1, n))  # the whole queue, front first
+    docs = [[rng.randrange(50) for _ in range(BS * rng.randrange(1, 6))] for _ in range(6)]
+    running = []
+    for _ in range(400):
+        if running and (rng.random() < 0.45 or kv.num_free_blocks < 8):
+            held, cached = running.pop(rng.randrange(len(running)))
+            kv.free(held)
+            first = [b.block_id for b in reversed(held) if b.ref_cnt == 0 and b.block_hash is None]
+            for b in reversed(held):
+                if b.ref_cnt == 0 and b.block_hash is not None:
+                    model[b.block_id] = None
+            for block_id in reversed(first):
+                model[block_id] = None
+                model.move_to_end(block_id, last=False)
+        else:
+            doc = rng.choice(docs)
+            extra = rng.randrange(0, 2 * BS)
+            tokens = doc + [rng.randrange(50) for _ in range(extra)]
+            hs = hashes(tokens)
+            hit = kv.find_longest_cache_hit(hs, len(tokens))
+            held: list = []
+            free_hits = [b.block_id for b in hit if b.ref_cnt == 0]
+            if not kv.allocate(held, hit, len(tokens)):
+                continue
+            for block_id in free_hits:
+                del model[block_id]
+            for b in held[len(hit):]:
+                assert b.block_id == next(iter(model)), "a block out of vLLM's order"
+                del model[b.block_id]
+            kv.cache_full_blocks(held, hs, len(hit), len(tokens) // BS)
+            running.append((held, None))
+        assert kv.num_free_blocks == len(model)
+    assert len(kv.blocks) < n or len(model) < n  # made as taken
