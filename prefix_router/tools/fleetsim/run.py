@@ -12,6 +12,7 @@ replay`` sends it; a request without a session at its trace time over ``rate_sca
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections.abc import Callable, Sequence
@@ -27,7 +28,8 @@ from prefix_router.tools.sim.scheduler import Scheduler, SimRequest, Step
 
 __all__ = ["FleetConfig", "simulate"]
 
-_ARRIVE, _STEP, _SCRAPE = 0, 1, 2
+_ARRIVE, _STEP, _SCRAPE, _RUN = 0, 1, 2, 3
+_LONGEST_RUN = 4096  # decode-only steps applied at once at most
 _MODEL = "sim"
 
 
@@ -42,16 +44,23 @@ class FleetConfig:
     rate_scale: float = 1.0
     char_block_size: int = 64
     default_max_tokens: int = 64
+    decode_runs: bool = True  # apply runs of decode-only steps at once (``Scheduler.decode``): the same run, faster
 
 
 class _Replica:
-    __slots__ = ("name", "scheduler", "step", "state")
+    __slots__ = ("name", "scheduler", "step", "run", "runs", "state")
 
     def __init__(self, name: str, engine: SimConfig, state) -> None:
         self.name = name
         self.scheduler = Scheduler(engine, vocab_size=1 << 17)
         self.step: Step | None = None  # the step running, if any
+        self.run: list[float] | None = None  # or the end times of the decode-only steps running at once
+        self.runs = 0  # runs started: an event of a run cut short is one of an earlier number
         self.state = state  # the gateway's ReplicaState of it
+
+    @property
+    def busy(self) -> bool:
+        return self.step is not None or self.run is not None
 
 
 def simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig, tokenizer: PromptTokenizer,
@@ -95,6 +104,17 @@ def simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig,
     now = 0.0
 
     def start(replica: _Replica, t: float) -> None:
+        steps = replica.scheduler.decode_run(_LONGEST_RUN) if fleet.decode_runs else 0
+        if steps >= 2:  # each step's context grows by a token a request
+            running = replica.scheduler.running
+            context, n, ends = sum(r.num_computed_tokens for r in running), len(running), []
+            for s in range(steps):
+                t += engine.step_seconds(0, context + s * n)
+                ends.append(t)
+            replica.run, replica.step = ends, None
+            replica.runs += 1
+            push(t, _RUN, (replica.name, replica.runs))
+            return
         step = replica.scheduler.schedule()
         replica.step = step if step.scheduled else None
         if replica.step is not None:
@@ -117,8 +137,15 @@ def simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig,
         max_tokens = int(request.body.get("max_tokens") or fleet.default_max_tokens)
         job = SimRequest(str(i), ids, max(max_tokens, 1), model=_MODEL, arrival_s=t)
         inflight[job] = (i, sent, t)
+        if replica.run is not None:  # the run ends with the step under way: the request waits for the next
+            ends = replica.run
+            m = min(bisect.bisect_right(ends, t) + 1, len(ends))
+            if m < len(ends):
+                replica.run = ends[:m]
+                replica.runs += 1
+                push(ends[m - 1], _RUN, (replica.name, replica.runs))
         replica.scheduler.add(job)
-        if replica.step is None:
+        if not replica.busy:
             start(replica, t)
 
     def follow(i: int, t: float) -> None:
@@ -127,24 +154,32 @@ def simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig,
             push(t + requests[j].think_s / fleet.rate_scale, _ARRIVE, j)
 
     def step_ended(replica: _Replica, t: float) -> None:
-        nonlocal done
         for job in replica.scheduler.finish_step(replica.step, t):
-            i, sent, sent_at = inflight[job]
             if job.num_output_tokens == 1:
-                ttfts.append(t - sent_at)
-                router.first_token(sent)
+                ttfts.append(t - inflight[job][2])
+                router.first_token(inflight[job][1])
             if job.finish_reason is not None:
-                del inflight[job]
-                router.finished(sent, job.num_output_tokens)
-                done += 1
-                if records is not None:
-                    records.append({"request": i, "replica": replica.name, "sent_s": sent_at,
-                                    "first_token_s": job.first_token_s, "end_s": t,
-                                    "prompt_tokens": job.num_prompt_tokens, "cached_tokens": job.num_cached_tokens})
-                if progress is not None:
-                    progress(1)
-                follow(i, t)
+                ended(replica, job, t)
         start(replica, t)
+
+    def run_ended(replica: _Replica, t: float) -> None:
+        ends, replica.run = replica.run, None
+        for job in replica.scheduler.decode(len(ends), t):
+            ended(replica, job, t)
+        start(replica, t)
+
+    def ended(replica: _Replica, job: SimRequest, t: float) -> None:
+        nonlocal done
+        i, sent, sent_at = inflight.pop(job)
+        router.finished(sent, job.num_output_tokens)
+        done += 1
+        if records is not None:
+            records.append({"request": i, "replica": replica.name, "sent_s": sent_at,
+                            "first_token_s": job.first_token_s, "end_s": t,
+                            "prompt_tokens": job.num_prompt_tokens, "cached_tokens": job.num_cached_tokens})
+        if progress is not None:
+            progress(1)
+        follow(i, t)
 
     while heap:
         now, _, kind, payload = heapq.heappop(heap)
@@ -153,6 +188,9 @@ def simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig,
             arrive(payload, now)
         elif kind == _STEP:
             step_ended(replicas[payload], now)
+        elif kind == _RUN:
+            if payload[1] == replicas[payload[0]].runs:
+                run_ended(replicas[payload[0]], now)
         elif inflight or arrivals:
             replica = replicas[payload]
             router.scraped(replica.state, len(replica.scheduler.waiting), len(replica.scheduler.running))

@@ -222,6 +222,65 @@ class Scheduler:
             updated.append(request)
         return updated
 
+    # -- decode-only steps at once (the fleet simulator) ----------------------------------
+    def decode_run(self, limit: int) -> int:
+        """How many of the next steps, at most ``limit``, are decode-only steps that ``decode``
+        can apply at once: nothing waiting, every running request decoding (one token a step,
+        within the token budget), none finishing before the last of them, and the free blocks
+        enough for every block they fill, so that no step preempts. 0 when the next is not one."""
+        running, cfg = self.running, self.config
+        if self.waiting or not running or len(running) > cfg.max_num_batched_tokens:
+            return 0
+        steps = limit
+        for r in running:
+            if not r.num_output_tokens or r.num_computed_tokens != r.num_tokens - 1:
+                return 0
+            steps = min(steps, r.max_tokens - r.num_output_tokens, cfg.max_model_len - r.num_tokens)
+        free, size = self.kv.num_free_blocks, cfg.block_size
+        while steps > 0 and sum(max(-(-(r.num_tokens + steps - 1) // size) - len(r.blocks), 0)
+                                for r in running) > free:
+            steps //= 2
+        return max(steps, 0)
+
+    def decode(self, steps: int, now_s: float) -> list[SimRequest]:
+        """Apply ``steps`` decode-only steps (at most ``decode_run``'s) as ``schedule`` and
+        ``finish_step`` would one at a time: the same tokens drawn in the same order, the same
+        blocks taken from the free queue and cached in the same order (only where a step fills
+        or starts a block: a token a step costs no Python step here), the last step ending at
+        ``now_s``. Returns the requests that finished, in running order."""
+        running, kv, size = list(self.running), self.kv, self.config.block_size
+        n = len(running)
+        drawn = [self._next_token() for _ in range(steps * n)]
+        start = [r.num_tokens for r in running]  # tokens at the first step; each step computes the last
+        ops = []  # (step, request, 0: take a block / 1: cache the blocks it fills)
+        for i, (r, t) in enumerate(zip(running, start)):
+            held = len(r.blocks) * size
+            first_alloc = max(held + 1 - t, 0)  # the step whose token count first passes the blocks held
+            ops += [(s, i, 0) for s in range(first_alloc, steps, size)]
+            first_full = (-t) % size  # the step at which its token count is a whole number of blocks
+            ops += [(s, i, 1) for s in range(first_full, steps, size)]
+            r.token_ids.extend(drawn[i::n])
+            extend_block_hashes(r.block_hashes, r.token_ids, size, r.seed)
+        ops.sort()
+        for s, i, kind in ops:
+            r, t = running[i], start[i] + s
+            if kind == 0:
+                kv.allocate(r.blocks, (), t)
+            elif t // size > r.num_cached_blocks:
+                lora = r.model if r.model != self.config.model else None
+                kv.cache_full_blocks(r.blocks, r.block_hashes, r.num_cached_blocks, t // size, r.token_ids, lora,
+                                     r.cache_salt)
+                r.num_cached_blocks = t // size
+        finished = []
+        for r in running:
+            r.num_computed_tokens += steps
+            if r.num_output_tokens >= r.max_tokens or r.num_tokens >= self.config.max_model_len:
+                self.running.remove(r)
+                self._finish(r, "length", now_s)
+                finished.append(r)
+        self.num_generation_tokens += steps * n
+        return finished
+
     # -- helpers -------------------------------------------------------------------------
     def _commit(self, request: SimRequest, num_new: int, step: Step) -> None:
         """Record a scheduled request and cache the full blocks its tokens now fill."""

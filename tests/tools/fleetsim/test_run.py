@@ -80,3 +80,17 @@ def test_a_prompt_longer_than_a_replicas_cache_is_refused_not_left_waiting_forev
     figures = simulate([long, short], "prefix-router", FleetConfig(replicas=2, engine=SimConfig(num_gpu_blocks=32)),
                        load_tokenizer(None))
     assert figures["rejected"] == 1 and figures["requests"] == 1
+
+
+@pytest.mark.parametrize("policy", ["prefix-router", "least-loaded"])
+def test_decode_only_steps_applied_at_once_change_nothing_in_a_run(mixed, policy):
+    """Runs of decode-only steps at once (``Scheduler.decode``), cut short where a request
+    arrives at the replica mid-run, give the run that steps one at a time gives: the same
+    requests on the same replicas at the same times."""
+    tok = load_tokenizer(None)
+    outs = []
+    for runs in (False, True):
+        records: list[dict] = []
+        figures = simulate(mixed, policy, FleetConfig(replicas=3, engine=SMALL, decode_runs=runs), tok, records=records)
+        outs.append((figures, records))
+    assert outs[0] == outs[1]
