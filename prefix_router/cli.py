@@ -127,6 +127,9 @@ def _gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-log-bodies", action="store_true", default=None,
                    help="also write each request's body (prompt text) to the request log, for "
                         "prefix-router audit and gate (request_log_bodies)")
+    p.add_argument("--request-log-blocks", action="store_true", default=None,
+                   help="also write each prompt's chain of block hashes, keyed with $PREFIX_ROUTER_REQUEST_LOG_KEY "
+                        "(no text), for prefix-router fleetsim (request_log_blocks)")
 
 
 def _event_loop():
@@ -192,7 +195,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             if args.fallbacks < 0:
                 raise ConfigError("--fallbacks: a number of endpoints, 0 or more")
             add_picker(app, args.grpc_port, config.host, args.fallbacks)
-    except (ConfigError, OSError) as exc:
+    except (ConfigError, OSError, ValueError) as exc:  # ValueError: PREFIX_ROUTER_REQUEST_LOG_KEY not a key
         print(f"{name}: {exc}", file=sys.stderr)
         return 2
     # SIGTERM (and Ctrl-C): stop accepting, give in-flight requests drain_s, then exit 0
@@ -213,7 +216,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _serve_overrides(args: argparse.Namespace) -> dict:
     """The command line's settings of ``serve`` and ``epp``, as overrides of the config file."""
     overrides: dict = {}
-    for key in ("host", "port", "tokenizer", "request_log", "request_log_bodies", "workers"):
+    for key in ("host", "port", "tokenizer", "request_log", "request_log_bodies", "request_log_blocks", "workers"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
     if args.replica:

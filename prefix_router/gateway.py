@@ -100,7 +100,7 @@ class Gateway:
         self._models_read_at = float("-inf")  # refresh_models: when it last looked, and the look on its way
         self._models_reading: asyncio.Future | None = None
         self._exported: dict[str, dict[str, int]] = {}  # per replica: event counters exported so far
-        self.request_log = RequestLog(config.request_log) if config.request_log else None
+        self.request_log = RequestLog(config.request_log, config.request_log_blocks) if config.request_log else None
         # request-log lines waiting for their events, each with its writer (serve/learning.py)
         self.waiting_lines: dict[asyncio.Task, Callable[[], None]] = {}
         self.admission = Admission(config.admission, self.saturated)

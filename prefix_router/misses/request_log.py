@@ -16,16 +16,30 @@ With ``request_log_bodies`` on (an operator's choice: prompt text), each line al
 ``path`` and ``body``, the request as sent to the replica (for ``/v1/responses`` and
 ``/v1/messages``, the chat request vLLM renders from it, history included: ``prompts/responses.py``):
 ``prefix-router audit``, ``prefix-router gate`` and ``replay`` read such a log.
+
+With ``request_log_blocks`` on, each served request's line also holds ``blocks``: its prompt's
+chain of block hashes, each re-hashed with a 64-bit key (``keyed_blocks``) from the environment
+variable ``PREFIX_ROUTER_REQUEST_LOG_KEY`` (an integer; a random one for the process when unset,
+so chains of two runs do not meet), with ``block_size`` and ``units`` (the prompt's tokens, or
+characters without a tokenizer) and ``completion_tokens``. The gateway's own hashes are of token
+ids under a seed anyone can compute, so a guessed prompt could be checked against them; keyed,
+equal prefixes still give equal leading entries, which is all ``prefix-router fleetsim`` needs to
+replay the traffic on a fleet of any size.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import time
+from collections.abc import Sequence
 
 import xxhash
 
-__all__ = ["RequestLog", "conversation_tag"]
+__all__ = ["KEY_ENV", "RequestLog", "conversation_tag", "keyed_blocks", "log_key"]
+
+KEY_ENV = "PREFIX_ROUTER_REQUEST_LOG_KEY"
 
 
 def conversation_tag(conversation: str) -> str | None:
@@ -33,14 +47,37 @@ def conversation_tag(conversation: str) -> str | None:
     return xxhash.xxh3_64_hexdigest(conversation.encode("utf-8", "surrogatepass")) if conversation else None
 
 
+def log_key() -> int:
+    """The key of ``keyed_blocks``: ``PREFIX_ROUTER_REQUEST_LOG_KEY`` (an integer, decimal or 0x
+    hex, below 2**64), else a random one. Raises ValueError for a value that is not such an integer."""
+    value = os.environ.get(KEY_ENV)
+    if value is None or not value.strip():
+        return secrets.randbits(64)
+    try:
+        key = int(value.strip(), 0)
+    except ValueError:
+        raise ValueError(f"{KEY_ENV} must be an integer below 2**64") from None
+    if not 0 <= key < 1 << 64:
+        raise ValueError(f"{KEY_ENV} must be an integer below 2**64")
+    return key
+
+
+def keyed_blocks(hashes: Sequence[int], key: int) -> list[str]:
+    """Each block hash re-hashed with ``key`` (xxh3-64 of its 8 bytes seeded by the key), as 16
+    hex digits: chained as the hashes are, so equal prefixes give equal leading entries."""
+    return [xxhash.xxh3_64_hexdigest(h.to_bytes(8, "little"), seed=key) for h in hashes]
+
+
 class RequestLog:
     """Appends JSON lines to ``path`` (line buffered: each line is on disk when the request ends).
 
-    Raises ``OSError`` when the file cannot be opened.
+    Raises ``OSError`` when the file cannot be opened, ``ValueError`` when ``blocks`` is on and
+    ``PREFIX_ROUTER_REQUEST_LOG_KEY`` is not a key.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, blocks: bool = False) -> None:
         self.path = path
+        self.key = log_key() if blocks else None  # of ``keyed_blocks``, with ``request_log_blocks`` on
         self._file = open(path, "a", buffering=1, encoding="utf-8")
 
     def write(self, **fields) -> None:

@@ -29,7 +29,7 @@ from prefix_router.gateway import Gateway
 from prefix_router.serve.inbound import Inbound
 from prefix_router.routing.decision import Route
 from prefix_router.prompts.analysis import PromptInfo
-from prefix_router.misses.request_log import conversation_tag
+from prefix_router.misses.request_log import conversation_tag, keyed_blocks
 
 __all__ = ["flush_waiting_lines", "learn"]
 
@@ -89,7 +89,14 @@ def learn(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome: Outcome) -> 
              diverged_message=change.message_index if change else None,
              diverged_token=int(verdict.diverged_block * to_tokens) if change else None,
              conversation=conversation_tag(conversation), spilled_from=decision.spilled_from,
-             ttft_s=outcome.ttft_s, elapsed_s=round(outcome.elapsed_s, 6))
+             ttft_s=outcome.ttft_s, elapsed_s=round(outcome.elapsed_s, 6),
+             **(_chain(gw, info, usage) if gw.config.request_log_blocks else {}))
+
+
+def _chain(gw: Gateway, info: PromptInfo, usage: dict) -> dict:
+    """The request's prompt as ``prefix-router fleetsim`` replays it, no text (``misses/request_log.py``)."""
+    return {"blocks": keyed_blocks(info.hashes, gw.request_log.key), "block_size": gw.unit_block_size(info),
+            "units": info.num_units, "completion_tokens": count(usage.get("completion_tokens"))}
 
 
 def _log_with_evictions(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome: Outcome, cached_blocks: int,

@@ -310,3 +310,26 @@ async def test_in_character_blocks_a_full_hit_is_a_hit_not_an_eviction_of_its_la
 def test_tokens_evicted_in_flight_run_from_where_the_hit_stopped_to_the_predictions_end(evicted, cached, predicted,
                                                                                        to_tokens, lost):
     assert evicted_in_flight_tokens(evicted, cached, predicted, to_tokens) == lost
+
+
+async def test_with_blocks_logged_the_line_holds_the_keyed_chain_fleetsim_replays(gateway, tmp_path, monkeypatch):
+    from prefix_router.misses.request_log import KEY_ENV, keyed_blocks
+    from prefix_router.tools.fleetsim.jobs import load_jobs, prompt_of
+    from prefix_router.prompts.tokenizer import load_tokenizer
+
+    monkeypatch.setenv(KEY_ENV, "12345")
+    path = tmp_path / "requests.jsonl"
+    gw = gateway(request_log=str(path), request_log_blocks=True)
+    infos = []
+    for _ in range(2):  # one conversation, two turns
+        inbound, info, decision = await routed(gw, chat())
+        learn(gw, inbound, info, outcome(gw, decision, usage(gw, info, 0)))
+        infos.append(info)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert lines[0]["blocks"] == keyed_blocks(infos[0].hashes, 12345)
+    assert (lines[0]["units"], lines[0]["block_size"]) == (infos[0].num_units, gw.unit_block_size(infos[0]))
+    assert "body" not in lines[0] and "briefly" not in path.read_text()
+    jobs = load_jobs(str(path))
+    assert len(jobs) == 2 and jobs[0].session == lines[0]["conversation"]
+    _, ids = prompt_of(jobs[0], load_tokenizer(None), block_size=gw.block_size, char_block_size=64)
+    assert len(ids) == infos[0].num_units

@@ -66,28 +66,32 @@ def _mooncake(path: Path, limit: int | None, trace_block_size: int) -> Iterator[
 
 def load_jobs(trace: str | None, *, workload: str = "mixed", limit: int | None = None,
               trace_block_size: int = 512, seed: int = 0) -> list[ReplayRequest]:
-    """A Mooncake ``.jsonl`` (prompts made when sent), else what ``load_workload`` reads: a request
-    log, SWE-agent trajectories, or the built-in ``workload`` when ``trace`` is None."""
+    """A Mooncake ``.jsonl`` (prompts made when sent), a gateway request log written with
+    ``request_log_blocks``, else what ``load_workload`` reads: a request log with bodies,
+    SWE-agent trajectories, or the built-in ``workload`` when ``trace`` is None."""
     if trace is not None and _is_mooncake(Path(trace)):
         return list(_mooncake(Path(trace), limit, trace_block_size))
+    if trace is not None and Path(trace).is_file() and "blocks" in (_first_line(Path(trace)) or {}):
+        return _block_log(Path(trace), limit)
     return load_workload(trace, workload=workload, limit=limit, trace_block_size=trace_block_size, seed=seed)
 
 
 class _Blocks:
-    """Mooncake blocks' token ids by hash id, the last ``_BLOCK_CACHE`` made kept."""
+    """Blocks' token ids by id and size (``mooncake_block_tokens``: seeded by the id), the last
+    ``_BLOCK_CACHE`` made kept."""
 
-    def __init__(self, block_size: int, vocab_size: int) -> None:
-        self.block_size, self.vocab_size = block_size, vocab_size
-        self._made: OrderedDict[int, np.ndarray] = OrderedDict()
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._made: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
 
-    def __call__(self, hash_id: int) -> np.ndarray:
-        block = self._made.get(hash_id)
+    def __call__(self, block_id: int, size: int) -> np.ndarray:
+        block = self._made.get((block_id, size))
         if block is None:
-            block = self._made[hash_id] = mooncake_block_tokens(hash_id, self.block_size, self.vocab_size)
+            block = self._made[block_id, size] = mooncake_block_tokens(block_id, size, self.vocab_size)
             if len(self._made) > _BLOCK_CACHE:
                 self._made.popitem(last=False)
         else:
-            self._made.move_to_end(hash_id)
+            self._made.move_to_end((block_id, size))
         return block
 
 
@@ -95,11 +99,15 @@ def prompt_of(request: ReplayRequest, tokenizer: PromptTokenizer, *, block_size:
               trace_block_size: int = 512, blocks: _Blocks | None = None) -> tuple[PromptInfo, list[int]]:
     """The gateway's analysis of ``request`` (``analyze``, as the proxy runs it) and the token
     ids the engine computes for it. Raises ValueError for a prompt no engine could take."""
-    body = request.body
-    if "hash_ids" in request.meta and "prompt" not in body:
-        make = blocks or _Blocks(trace_block_size, MOONCAKE_VOCAB)
-        ids = np.concatenate([make(h) for h in request.meta["hash_ids"]])[:request.meta["input_length"]].tolist()
+    body, meta = request.body, request.meta
+    make = blocks or _Blocks(MOONCAKE_VOCAB)
+    if "hash_ids" in meta and "prompt" not in body:
+        ids = np.concatenate([make(h, trace_block_size) for h in meta["hash_ids"]])[:meta["input_length"]].tolist()
         body = {**body, "prompt": ids}
+    elif "blocks" in meta and "prompt" not in body:  # a request log's keyed chain: a block of ids a key
+        size, keys = meta["block_size"], [int(k, 16) for k in meta["blocks"]]
+        tail = make(keys[-1] ^ meta["units"] if keys else meta["units"], size)[:meta["units"] - len(keys) * size]
+        body = {**body, "prompt": np.concatenate([*(make(k, size) for k in keys), tail]).tolist()}
     chat = request.path == CHAT
     info = analyze(body, chat, tokenizer, block_size, char_block_size, request.session)
     if chat:
@@ -113,6 +121,54 @@ def prompt_of(request: ReplayRequest, tokenizer: PromptTokenizer, *, block_size:
     return info, list(ids)
 
 
-def new_blocks(trace_block_size: int) -> _Blocks:
-    """A cache of Mooncake blocks' token ids for one run's ``prompt_of`` calls."""
-    return _Blocks(trace_block_size, MOONCAKE_VOCAB)
+def new_blocks() -> _Blocks:
+    """A cache of blocks' token ids for one run's ``prompt_of`` calls."""
+    return _Blocks(MOONCAKE_VOCAB)
+
+
+def _first_line(path: Path) -> dict | None:
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                try:
+                    found = json.loads(line)
+                except ValueError:
+                    return None
+                return found if isinstance(found, dict) else None
+    return None
+
+
+def _block_log(path: Path, limit: int | None) -> list[ReplayRequest]:
+    """A gateway request log written with ``request_log_blocks`` (``misses/request_log.py``): its
+    served requests in the order sent, each prompt its keyed chain of blocks and its length, each
+    output its length; a conversation's turns one after another, each its logged gap after the
+    previous one's end. Raises ValueError naming a line that is not such a record."""
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                if "blocks" not in rec:
+                    continue  # a failed request, or a line from before the blocks were on
+                end = float(rec["t"])
+                keys = [f"{int(b, 16):016x}" for b in rec["blocks"]]  # hex digits, or a ValueError
+                row = (end - float(rec["elapsed_s"] or 0.0), end, rec.get("conversation"),
+                       {"blocks": keys, "block_size": int(rec["block_size"]), "units": int(rec["units"])},
+                       max(int(rec.get("completion_tokens") or 1), 1))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a request-log line with blocks ({exc})") from None
+            rows.append(row)
+    rows.sort(key=lambda r: r[0])
+    rows = rows[:limit] if limit is not None else rows
+    t0 = rows[0][0] if rows else 0.0
+    last_end: dict[str, float] = {}
+    out = []
+    for sent, end, conversation, meta, completion in rows:
+        think = max(sent - last_end[conversation], 0.0) if conversation in last_end else 0.0
+        if conversation is not None:
+            last_end[conversation] = end
+        out.append(ReplayRequest(COMPLETIONS, {"max_tokens": completion, "ignore_eos": True}, at_s=sent - t0,
+                                 session=conversation, think_s=think, meta=meta))
+    return out

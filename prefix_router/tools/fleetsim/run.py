@@ -97,7 +97,7 @@ def simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig,
     for k, name in enumerate(names):  # a round of scrapes spread over the interval (fleet/replicas.spread)
         push(fleet.scrape_interval_s * (1 + k / len(names)), _SCRAPE, name)
 
-    blocks = new_blocks(512)
+    blocks = new_blocks()
     inflight: dict[SimRequest, tuple[int, Sent, float]] = {}
     ttfts: list[float] = []
     done = rejected = 0

@@ -28,7 +28,7 @@ def test_a_mooncake_record_is_sent_with_the_prompt_the_replayer_sends(trace):
     tok = load_tokenizer(None)
     lazy = load_jobs(str(trace))
     eager = load_mooncake(trace)
-    blocks = new_blocks(512)
+    blocks = new_blocks()
     assert [r.at_s for r in lazy] == [r.at_s for r in eager] == [0.0, 0.25, 0.9]
     for job, sent in zip(lazy, eager):
         assert "prompt" not in job.body  # made only when sent
@@ -49,3 +49,40 @@ def test_without_a_trace_the_built_in_workload_is_sent_as_the_replayer_would():
     jobs = load_jobs(None, workload="chat", limit=5)
     info, ids = prompt_of(jobs[0], load_tokenizer(None), block_size=16, char_block_size=64)
     assert len(jobs) == 5 and info.exact and len(info.hashes) == len(ids) // 16
+
+
+def _block_log(path, conversations: int = 12, turns: int = 4):
+    """A request log written with ``request_log_blocks``: conversations whose turns grow their
+    prompt by a few blocks, keyed chains (``keyed_blocks``) of made-up block hashes."""
+    import random
+
+    from prefix_router.misses.request_log import keyed_blocks
+
+    rng, lines, t = random.Random(3), [], 1000.0
+    for c in range(conversations):
+        chain = [rng.getrandbits(64) for _ in range(20)]  # its own history from the first turn
+        for turn in range(turns):
+            chain += [rng.getrandbits(64) for _ in range(rng.randrange(2, 6))]
+            t += rng.random()
+            lines.append({"t": t + 0.5, "elapsed_s": 0.5, "status": 200, "conversation": f"{c:016x}",
+                          "blocks": keyed_blocks(chain, 99), "block_size": 16, "units": 16 * len(chain) + 5,
+                          "completion_tokens": 12})
+    rng.shuffle(lines)  # written as they ended
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_a_request_log_with_blocks_is_replayed_in_order_with_its_conversations_reuse(tmp_path):
+    from prefix_router.tools.fleetsim.run import FleetConfig, simulate
+
+    path = tmp_path / "requests.jsonl"
+    _block_log(path)
+    jobs = load_jobs(str(path))
+    assert [j.at_s for j in jobs] == sorted(j.at_s for j in jobs) and len({j.session for j in jobs}) == 12
+    tok = load_tokenizer(None)
+    _, first = prompt_of(jobs[0], tok, block_size=16, char_block_size=64)
+    later = next(j for j in jobs[1:] if j.session == jobs[0].session)
+    _, second = prompt_of(later, tok, block_size=16, char_block_size=64)
+    assert second[:len(first) - 5] == first[:-5]  # a turn's prompt starts with its previous turn's blocks
+    fleet = FleetConfig(replicas=4)
+    ours, spread = (simulate(jobs, p, fleet, tok) for p in ("prefix-router", "round-robin"))
+    assert ours["token_hit_rate"] > spread["token_hit_rate"] + 0.2
