@@ -14,6 +14,7 @@ prompt's first 256 tokens (vllm-router's ``consistent_hash``, SGLang's ``prefix_
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -36,6 +37,16 @@ __all__ = ["POLICIES", "ConsistentHashPolicy", "Sent", "SimRouter"]
 # the policies ``prefix-router fleetsim`` compares, by the name its ``--policy`` takes
 POLICIES = ("prefix-router", "round-robin", "least-loaded", "consistent-hash")
 _CONFIG_NAMES = {"prefix-router": "prefix-affinity", "round-robin": "round-robin", "least-loaded": "least-loaded"}
+
+
+@functools.lru_cache(maxsize=4)
+def _ring(names: tuple[str, ...], virtual_nodes: int) -> Ring:
+    """One ring of ``names``, shared by the runs of a fleet: nothing routing does changes it, and
+    placing 256 replicas' points one replica at a time (``Ring.add``) takes a second or two."""
+    ring = Ring(virtual_nodes)
+    for name in names:
+        ring.add(name)
+    return ring
 
 
 class ConsistentHashPolicy:
@@ -89,7 +100,7 @@ class SimRouter:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
         self.routing = routing or RoutingConfig()
         self.block_size = block_size
-        self.ring = Ring(self.routing.virtual_nodes)
+        self.ring = _ring(tuple(names), self.routing.virtual_nodes)
         self.tree = BlockTree()
         self.branches = BranchStats(self.routing.branch_threshold)
         self.demand = PrefixDemand(self.routing.share_half_life_s)
@@ -98,7 +109,6 @@ class SimRouter:
             self.replicas[name] = ReplicaState(ReplicaConfig(url=f"http://{name}"), name, healthy=True, recovering=False,
                                                block_size=block_size, num_gpu_blocks=capacity,
                                                shadow=ShadowIndex(capacity, self.tree))
-            self.ring.add(name)
         if policy == "consistent-hash":
             self.policy = ConsistentHashPolicy(self.ring, block_size)
         else:

@@ -136,15 +136,22 @@ class KVCache:
         new = max(required - len(held) - len(hit), 0)
         return new + sum(1 for b in hit if b.ref_cnt == 0)
 
-    def _take_free(self) -> Block:
-        """The block at the front of the free queue, out of it."""
-        if self._front:
-            return self._front.popitem(last=False)[1]
-        if self._fresh < self.num_gpu_blocks:
-            block = self.blocks[self._fresh] = Block(self._fresh)
-            self._fresh += 1
-            return block
-        return self._back.popitem(last=False)[1]
+    def _take_free(self, count: int) -> list[Block]:
+        """The ``count`` blocks at the front of the free queue, out of it, front first."""
+        taken: list[Block] = []
+        front = self._front
+        while front and len(taken) < count:
+            taken.append(front.popitem(last=False)[1])
+        fresh = min(count - len(taken), self.num_gpu_blocks - self._fresh)
+        if fresh > 0:
+            ids = range(self._fresh, self._fresh + fresh)
+            made = list(map(Block, ids))
+            self.blocks.update(zip(ids, made))
+            self._fresh += fresh
+            taken += made
+        back = self._back
+        taken += [back.popitem(last=False)[1] for _ in range(count - len(taken))]
+        return taken
 
     def allocate(self, held: list[Block], hit: Sequence[Block], num_tokens: int) -> bool:
         """Give a request slots for its first ``num_tokens`` tokens, appending to ``held``.
@@ -160,8 +167,7 @@ class KVCache:
             block.ref_cnt += 1
             held.append(block)
         required = -(-num_tokens // self.block_size)
-        for _ in range(required - len(held)):
-            block = self._take_free()
+        for block in self._take_free(required - len(held)):
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
