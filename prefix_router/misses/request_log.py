@@ -30,6 +30,7 @@ replay the traffic on a fleet of any size.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import time
@@ -40,6 +41,8 @@ import xxhash
 __all__ = ["KEY_ENV", "RequestLog", "conversation_tag", "keyed_blocks", "log_key"]
 
 KEY_ENV = "PREFIX_ROUTER_REQUEST_LOG_KEY"
+
+log = logging.getLogger(__name__)
 
 
 def conversation_tag(conversation: str) -> str | None:
@@ -52,6 +55,8 @@ def log_key() -> int:
     hex, below 2**64), else a random one. Raises ValueError for a value that is not such an integer."""
     value = os.environ.get(KEY_ENV)
     if value is None or not value.strip():
+        log.warning("%s is not set: the request log's block chains are keyed at random for this process, so "
+                    "they meet no other process's or run's (set it to one integer for every gateway process)", KEY_ENV)
         return secrets.randbits(64)
     try:
         key = int(value.strip(), 0)

@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", default="mixed", choices=WORKLOADS, help="built-in workload when no --trace")
     p.add_argument("--replicas", type=int, required=True, help="replicas in the fleet")
     p.add_argument("--policy", action="append", choices=POLICIES,
-                   help="a policy to run (repeat; default: all of them)")
+                   help="a policy to run (repeat; default: all of them); prefix-router is serve's prefix-affinity")
     p.add_argument("--rate-scale", type=float, default=1.0, help="divide trace times and think times by this")
     p.add_argument("--slo-ttft-p99", type=float, default=None, metavar="S",
                    help="find each policy's capacity: the highest rate with TTFT p99 at most S seconds")
@@ -79,19 +79,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _table(out: dict[str, dict], args: argparse.Namespace) -> str:
+    """A row a policy; with an objective, its figures are those at the fastest rate it served."""
     capacity = args.slo_ttft_p99 is not None
+    refused = any(f["rejected"] for f in out.values())
     head = ["policy", "token hit rate", "busiest / fair", "TTFT p50 (s)", "TTFT p99 (s)", "requests"]
-    if capacity:
-        head.append(f"capacity at TTFT p99 <= {args.slo_ttft_p99:g} s (req/s)")
+    head += ["refused (too long)"] if refused else []
+    head += [f"capacity at TTFT p99 <= {args.slo_ttft_p99:g} s (req/s)"] if capacity else []
     rows = [head]
     for policy, f in out.items():
         row = [policy, f"{f['token_hit_rate']:.3f}", f"{f['busiest_over_fair']:.2f}",
                _s(f["ttft_p50_s"]), _s(f["ttft_p99_s"]), str(f["requests"])]
+        row += [str(f["rejected"])] if refused else []
         if capacity:
-            row.append("above every rate tried" if f["capacity_rps"] is None else f"{f['capacity_rps']:.2f}")
+            row.append("above every rate tried" if f["capacity_rps"] is None else
+                       "below every rate tried" if not f["capacity_rps"] else f"{f['capacity_rps']:.2f}")
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if capacity:
+        lines.append("(each row's figures at the fastest rate it served, x rate_scale in the JSON)")
+    return "\n".join(lines)
 
 
 def _s(value: float | None) -> str:

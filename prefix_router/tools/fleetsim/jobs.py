@@ -71,8 +71,12 @@ def load_jobs(trace: str | None, *, workload: str = "mixed", limit: int | None =
     SWE-agent trajectories, or the built-in ``workload`` when ``trace`` is None."""
     if trace is not None and _is_mooncake(Path(trace)):
         return list(_mooncake(Path(trace), limit, trace_block_size))
-    if trace is not None and Path(trace).is_file() and "blocks" in (_first_line(Path(trace)) or {}):
+    first = _first_line(Path(trace)) if trace is not None and Path(trace).is_file() else None
+    if first is not None and "blocks" in first:
         return _block_log(Path(trace), limit)
+    if first is not None and "replica" in first and "body" not in first:
+        raise ValueError(f"{trace}: a gateway request log without prompts: write it with request_log_blocks "
+                         "(--request-log-blocks; no prompt text) for fleetsim to replay it")
     return load_workload(trace, workload=workload, limit=limit, trace_block_size=trace_block_size, seed=seed)
 
 

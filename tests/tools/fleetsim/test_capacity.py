@@ -39,3 +39,12 @@ def test_sessions_that_wait_for_their_answers_meet_the_objective_at_any_rate():
     found = capacity(builtin_workload("chat", sessions=4), "round-robin",
                      FleetConfig(replicas=2, engine=SimConfig(num_gpu_blocks=4000)), load_tokenizer(None), 30.0)
     assert found["capacity_rps"] is None
+
+
+def test_a_prompt_too_long_for_any_replica_is_refused_apart_and_leaves_the_capacity_found():
+    requests, tok = _open_loop(60), load_tokenizer(None)
+    requests.append(ReplayRequest(COMPLETIONS, {"prompt": list(range(300, 300 + 4000 * 16)), "max_tokens": 4},
+                                  at_s=30.5))
+    found = capacity(requests, "round-robin", FleetConfig(replicas=2, engine=SimConfig(num_gpu_blocks=4000)), tok,
+                     slo_ttft_p99_s=0.5)
+    assert found["rejected"] == 1 and found["capacity_rps"]

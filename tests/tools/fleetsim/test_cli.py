@@ -32,3 +32,16 @@ def test_bad_input_is_refused_with_a_message_and_status_2(tmp_path, capsys):
     assert main(["fleetsim", "--replicas", "0"]) == 2
     assert main(["fleetsim", "--replicas", "2", "--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert "prefix-router fleetsim:" in capsys.readouterr().err
+
+
+def test_a_fleet_that_misses_the_objective_at_every_rate_says_so(capsys):
+    assert main(["fleetsim", "--workload", "chat", "--limit", "8", "--replicas", "1", "--policy", "round-robin",
+                 "--slo-ttft-p99", "0.0001"]) == 0
+    assert "below every rate tried" in capsys.readouterr().out
+
+
+def test_a_request_log_without_prompts_names_the_setting_that_writes_them(tmp_path, capsys):
+    log = tmp_path / "requests.jsonl"
+    log.write_text(json.dumps({"t": 1.0, "replica": "r", "route": "affinity", "status": 200}) + "\n")
+    assert main(["fleetsim", "--trace", str(log), "--replicas", "2"]) == 2
+    assert "request_log_blocks" in capsys.readouterr().err
