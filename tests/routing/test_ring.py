@@ -160,3 +160,16 @@ def test_candidates_are_uhashrings_own_order(replicas):
         expected = [node["nodename"] for node in ring._ring.range(key, unique=True)]
         assert ring.candidates(key) == expected
         assert ring.candidates(key)[0] == ring.owner(key)
+
+
+def test_a_ring_placed_in_one_pass_is_the_ring_added_to_one_replica_at_a_time():
+    from prefix_router.routing.ring import Ring
+
+    names = [f"replica-{i}" for i in range(40)]
+    one_by_one = Ring(16)
+    for n in names:
+        one_by_one.add(n)
+    at_once = Ring.of(reversed(names), 16)
+    for key in (f"b:{k:016x}" for k in range(0, 1 << 60, (1 << 60) // 97)):
+        assert at_once.candidates(key) == one_by_one.candidates(key)
+    assert at_once.nodes == one_by_one.nodes and at_once.shares() == one_by_one.shares()

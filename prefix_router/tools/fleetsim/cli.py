@@ -47,18 +47,21 @@ def run(args: argparse.Namespace) -> int:
     from prefix_router.tools.fleetsim.run import FleetConfig, simulate
     from prefix_router.tools.sim.config import SimConfig
 
-    if args.replicas < 1 or args.rate_scale <= 0 or args.scrape_interval <= 0:
-        print("prefix-router fleetsim: --replicas, --rate-scale and --scrape-interval must be positive", file=sys.stderr)
+    problem = _problem(args)
+    if problem:
+        print(f"prefix-router fleetsim: {problem}", file=sys.stderr)
         return 2
     try:
+        if args.json:  # before the runs, not after them
+            open(args.json, "a").close()
         requests = load_jobs(args.trace, workload=args.workload, limit=args.limit, seed=args.seed)
         tokenizer = load_tokenizer(args.tokenizer)
+        engine = SimConfig(seed=args.seed)
+        if args.num_gpu_blocks is not None:
+            engine = replace(engine, num_gpu_blocks=args.num_gpu_blocks).validate()
     except (OSError, ValueError) as exc:
         print(f"prefix-router fleetsim: {exc}", file=sys.stderr)
         return 2
-    engine = SimConfig(seed=args.seed)
-    if args.num_gpu_blocks is not None:
-        engine = replace(engine, num_gpu_blocks=args.num_gpu_blocks).validate()
     fleet = FleetConfig(replicas=args.replicas, engine=engine, rate_scale=args.rate_scale,
                         scrape_interval_s=args.scrape_interval)
     out: dict[str, dict] = {}
@@ -76,6 +79,21 @@ def run(args: argparse.Namespace) -> int:
             json.dump(out, f, indent=2)
             f.write("\n")
     return 0
+
+
+def _problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the numbers given, if anything."""
+    import math
+
+    if not 1 <= args.replicas <= 100_000:
+        return "--replicas must be between 1 and 100,000"
+    for flag, value, low in (("--rate-scale", args.rate_scale, 1e-6), ("--scrape-interval", args.scrape_interval, 0.001),
+                             ("--slo-ttft-p99", args.slo_ttft_p99, 0.0)):
+        if value is not None and not (math.isfinite(value) and value >= low and value > 0):
+            return f"{flag} must be a finite number of at least {low:g}" if low else f"{flag} must be a finite number above 0"
+    if args.limit is not None and args.limit < 1:
+        return "--limit must be at least 1"
+    return None
 
 
 def _table(out: dict[str, dict], args: argparse.Namespace) -> str:

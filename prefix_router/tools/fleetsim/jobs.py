@@ -9,7 +9,9 @@ sends) are made when it is sent and dropped when it ends.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,35 +30,47 @@ MOONCAKE_VOCAB = 32_000  # token ids drawn below this, as ``prefix-router replay
 
 
 def _is_mooncake(path: Path) -> bool:
-    if path.suffix != ".jsonl" or not path.is_file():
-        return False
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                try:
-                    return "hash_ids" in json.loads(line)
-                except ValueError:
-                    return False
-    return False
+    first = _first_line(path) if path.suffix == ".jsonl" and path.is_file() else None
+    return first is not None and "hash_ids" in first
+
+
+def _whole(value, low: int = 0, high: int = 1 << 62) -> int:
+    """``value`` as an int in [low, high] (no bool, no fraction, no infinity), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or int(value) != value:
+        raise ValueError(f"{value!r} is not a whole number")
+    if not low <= value <= high:
+        raise ValueError(f"{value!r} is out of range [{low}, {high}]")
+    return int(value)
+
+
+def _time(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{value!r} is not a finite time")
+    return float(value)
 
 
 def _mooncake(path: Path, limit: int | None, trace_block_size: int) -> Iterator[ReplayRequest]:
     """Mooncake records as completions whose prompt is made when sent (``meta``: hash ids, length)."""
+    start = None  # the first record's time: the run starts there (epoch milliseconds are common)
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
-                hash_ids = [int(h) for h in rec["hash_ids"]]
-                length, output = int(rec["input_length"]), int(rec["output_length"])
-                at_s = float(rec["timestamp"]) / 1000.0
+                if not isinstance(rec["hash_ids"], list):
+                    raise ValueError("hash_ids is not a list")
+                hash_ids = [_whole(h, 0, (1 << 63) - 1) for h in rec["hash_ids"]]
+                length, output = _whole(rec["input_length"]), _whole(rec["output_length"])
+                at_s = _time(rec["timestamp"]) / 1000.0
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a Mooncake record ({exc})") from None
+            start = at_s if start is None else start
+            at_s -= start
             if not hash_ids or not trace_block_size * (len(hash_ids) - 1) < length <= trace_block_size * len(hash_ids):
                 raise ValueError(f"{path}:{lineno}: input_length {length} does not fit {len(hash_ids)} blocks "
                                  f"of {trace_block_size}")
-            yield ReplayRequest(COMPLETIONS, {"max_tokens": max(output, 1), "ignore_eos": True}, at_s=at_s,
+            yield ReplayRequest(COMPLETIONS, {"max_tokens": max(output, 1), "ignore_eos": True}, at_s=max(at_s, 0.0),
                                 meta={"hash_ids": hash_ids, "input_length": length})
             if limit is not None:
                 limit -= 1
@@ -71,10 +85,10 @@ def load_jobs(trace: str | None, *, workload: str = "mixed", limit: int | None =
     SWE-agent trajectories, or the built-in ``workload`` when ``trace`` is None."""
     if trace is not None and _is_mooncake(Path(trace)):
         return list(_mooncake(Path(trace), limit, trace_block_size))
-    first = _first_line(Path(trace)) if trace is not None and Path(trace).is_file() else None
-    if first is not None and "blocks" in first:
+    lines = _first_lines(Path(trace)) if trace is not None and Path(trace).is_file() else []
+    if any("blocks" in line for line in lines):
         return _block_log(Path(trace), limit)
-    if first is not None and "replica" in first and "body" not in first:
+    if lines and any("replica" in line for line in lines) and not any("body" in line for line in lines):
         raise ValueError(f"{trace}: a gateway request log without prompts: write it with request_log_blocks "
                          "(--request-log-blocks; no prompt text) for fleetsim to replay it")
     return load_workload(trace, workload=workload, limit=limit, trace_block_size=trace_block_size, seed=seed)
@@ -130,16 +144,24 @@ def new_blocks() -> _Blocks:
     return _Blocks(MOONCAKE_VOCAB)
 
 
+def _first_lines(path: Path, count: int = 100) -> list[dict]:
+    """The JSON objects among the first ``count`` lines of ``path`` (a request log may open with
+    failed requests, which carry no blocks)."""
+    found = []
+    with open(path, errors="replace") as f:
+        for line in itertools.islice(f, count):
+            try:
+                value = json.loads(line) if line.strip() else None
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                found.append(value)
+    return found
+
+
 def _first_line(path: Path) -> dict | None:
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                try:
-                    found = json.loads(line)
-                except ValueError:
-                    return None
-                return found if isinstance(found, dict) else None
-    return None
+    lines = _first_lines(path, 1)
+    return lines[0] if lines else None
 
 
 def _block_log(path: Path, limit: int | None) -> list[ReplayRequest]:
@@ -154,14 +176,22 @@ def _block_log(path: Path, limit: int | None) -> list[ReplayRequest]:
                 continue
             try:
                 rec = json.loads(line)
-                if "blocks" not in rec:
+                if not isinstance(rec, dict) or "blocks" not in rec:
                     continue  # a failed request, or a line from before the blocks were on
-                end = float(rec["t"])
-                keys = [f"{int(b, 16):016x}" for b in rec["blocks"]]  # hex digits, or a ValueError
-                row = (end - float(rec["elapsed_s"] or 0.0), end, rec.get("conversation"),
-                       {"blocks": keys, "block_size": int(rec["block_size"]), "units": int(rec["units"])},
-                       max(int(rec.get("completion_tokens") or 1), 1))
-            except (KeyError, TypeError, ValueError) as exc:
+                end = _time(rec["t"])
+                if not isinstance(rec["blocks"], list) or not all(isinstance(b, str) for b in rec["blocks"]):
+                    raise ValueError("blocks is not a list of hex digits")
+                keys = [f"{_whole(int(b, 16), 0, (1 << 64) - 1):016x}" for b in rec["blocks"]]
+                size, units = _whole(rec["block_size"], 1, 1 << 16), _whole(rec["units"])
+                if not len(keys) * size <= units < (len(keys) + 1) * size:
+                    raise ValueError(f"units {units} do not fit {len(keys)} full blocks of {size}")
+                conversation = rec.get("conversation")
+                if conversation is not None and not isinstance(conversation, str):
+                    raise ValueError("conversation is not a string")
+                row = (end - _time(rec.get("elapsed_s") or 0.0), end, conversation,
+                       {"blocks": keys, "block_size": size, "units": units},
+                       max(_whole(rec.get("completion_tokens") or 1), 1))
+            except (KeyError, TypeError, ValueError, OverflowError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a request-log line with blocks ({exc})") from None
             rows.append(row)
     rows.sort(key=lambda r: r[0])

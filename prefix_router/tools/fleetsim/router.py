@@ -41,12 +41,8 @@ _CONFIG_NAMES = {"prefix-router": "prefix-affinity", "round-robin": "round-robin
 
 @functools.lru_cache(maxsize=4)
 def _ring(names: tuple[str, ...], virtual_nodes: int) -> Ring:
-    """One ring of ``names``, shared by the runs of a fleet: nothing routing does changes it, and
-    placing 256 replicas' points one replica at a time (``Ring.add``) takes a second or two."""
-    ring = Ring(virtual_nodes)
-    for name in names:
-        ring.add(name)
-    return ring
+    """One ring of ``names``, shared by the runs of a fleet: nothing routing does changes it."""
+    return Ring.of(names, virtual_nodes)
 
 
 class ConsistentHashPolicy:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -98,6 +99,7 @@ def simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig,
         push(fleet.scrape_interval_s * (1 + k / len(names)), _SCRAPE, name)
 
     blocks = new_blocks()
+    paused: dict[str, float] = {}  # replica -> its last scrape's time, for those idle since
     inflight: dict[SimRequest, tuple[int, Sent, float]] = {}
     ttfts: list[float] = []
     done = rejected = 0
@@ -123,9 +125,10 @@ def simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig,
     def arrive(i: int, t: float) -> None:
         nonlocal rejected
         request = requests[i]
-        try:
+        length = request.meta.get("input_length", request.meta.get("units", 0))
+        try:  # a prompt known too long is refused before it is made
             info, ids = prompt_of(request, tokenizer, block_size=block_size, char_block_size=fleet.char_block_size,
-                                  blocks=blocks)
+                                  blocks=blocks) if length < engine.max_model_len else (None, [])
         except ValueError:
             ids = []
         if not ids or len(ids) >= engine.max_model_len:
@@ -134,6 +137,9 @@ def simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig,
             return
         sent = router.send(info, request.session, t)
         replica = replicas[sent.replica.name]
+        if replica.name in paused:  # its scrapes resume, at their times, from the next one
+            last, interval = paused.pop(replica.name), fleet.scrape_interval_s
+            push(last + max(math.ceil((t - last) / interval), 1) * interval, _SCRAPE, replica.name)
         max_tokens = int(request.body.get("max_tokens") or fleet.default_max_tokens)
         job = SimRequest(str(i), ids, max(max_tokens, 1), model=_MODEL, arrival_s=t)
         inflight[job] = (i, sent, t)
@@ -193,8 +199,12 @@ def simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig,
                 run_ended(replicas[payload[0]], now)
         elif inflight or arrivals:
             replica = replicas[payload]
-            router.scraped(replica.state, len(replica.scheduler.waiting), len(replica.scheduler.running))
-            push(now + fleet.scrape_interval_s, _SCRAPE, payload)
+            state, scheduler = replica.state, replica.scheduler
+            router.scraped(state, len(scheduler.waiting), len(scheduler.running))
+            if state.inflight or scheduler.has_work:
+                push(now + fleet.scrape_interval_s, _SCRAPE, payload)
+            else:  # idle: its next scrapes would read what this one read, until a request is sent to it
+                paused[payload] = now
     return _figures(replicas, router, ttfts, done, rejected, now)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from prefix_router.cli import main
 from prefix_router.tools.fleetsim.router import POLICIES
 
@@ -45,3 +47,34 @@ def test_a_request_log_without_prompts_names_the_setting_that_writes_them(tmp_pa
     log.write_text(json.dumps({"t": 1.0, "replica": "r", "route": "affinity", "status": 200}) + "\n")
     assert main(["fleetsim", "--trace", str(log), "--replicas", "2"]) == 2
     assert "request_log_blocks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [["--rate-scale", "nan"], ["--rate-scale", "inf"], ["--scrape-interval", "1e-300"],
+                                 ["--slo-ttft-p99", "0"], ["--slo-ttft-p99", "nan"], ["--limit", "0"],
+                                 ["--num-gpu-blocks", "1"], ["--replicas", "1000000"], ["--json", "/nonexistent/out.json"]])
+def test_numbers_out_of_range_are_refused_before_anything_runs(bad, capsys):
+    args = ["fleetsim", "--workload", "chat", "--replicas", "2", *bad]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("prefix-router fleetsim:") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("record", [
+    {"timestamp": 0, "input_length": float("inf"), "output_length": 1, "hash_ids": [1]},
+    {"timestamp": float("nan"), "input_length": 10, "output_length": 1, "hash_ids": [1]},
+    {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [True]},
+    {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [-3]},
+    {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": "7"},
+    {"t": 1.0, "elapsed_s": 0.1, "blocks": ["ab"], "block_size": 10**9, "units": 20},
+    {"t": 1.0, "elapsed_s": 0.1, "blocks": ["ab"], "block_size": 16, "units": 5},
+    {"t": float("nan"), "elapsed_s": 0.1, "blocks": ["ab"], "block_size": 16, "units": 20},
+    {"t": 1.0, "elapsed_s": 0.1, "blocks": "abc", "block_size": 16, "units": 20},
+    {"t": 1.0, "elapsed_s": 0.1, "blocks": ["ab"], "block_size": 16, "units": 20, "conversation": 5},
+    {"t": 1.0, "elapsed_s": 0.1, "blocks": ["ab"], "block_size": 16, "units": 20, "completion_tokens": float("inf")},
+])
+def test_a_trace_record_that_is_not_one_is_refused_naming_its_line(record, tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps(record) + "\n")
+    assert main(["fleetsim", "--trace", str(trace), "--replicas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{trace}:1" in err and "Traceback" not in err
