@@ -150,8 +150,11 @@ async def _hit_rate(fleet, aiohttp_server, requests, instances: int, events: boo
     # share one event loop here. Think times are exponential (mean 3 s): divided by 50, one next
     # turn in seven came within 10 ms of the last answer, and the four fell 1.5 points behind
     # one in about one run of seven (0.679-0.694 against 0.695); divided by 20, 0.694-0.695 in
-    # six runs beside a busy benchmark.
-    records = await replay(requests, [str(s.make_url("")) for s in servers], model=MODEL, time_scale=20,
+    # six runs beside a busy benchmark when written, but 0.675-0.695 on 2026-12-06 (the views'
+    # intake costs more CPU a message since the fleet's map, issue 41: the other instances'
+    # events come later on a shared loop), three runs of eight over a point behind; divided by
+    # 10, as here, the next turns come twice as late after their answers.
+    records = await replay(requests, [str(s.make_url("")) for s in servers], model=MODEL, time_scale=10,
                            session_header=None)
     assert all(r.error is None for r in records), next(r.error for r in records if r.error)
     spilled = [x for s in servers for x in s.app[GATEWAY].metrics.spillovers.collect()[0].samples

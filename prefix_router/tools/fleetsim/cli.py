@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:  # before the runs, not after them
             open(args.json, "a").close()
         requests = load_jobs(args.trace, workload=args.workload, limit=args.limit, seed=args.seed)
+        if not requests:
+            raise ValueError(f"{args.trace}: no requests in it")
         tokenizer = load_tokenizer(args.tokenizer)
         engine = SimConfig(seed=args.seed)
         if args.num_gpu_blocks is not None:

@@ -78,3 +78,10 @@ def test_a_trace_record_that_is_not_one_is_refused_naming_its_line(record, tmp_p
     assert main(["fleetsim", "--trace", str(trace), "--replicas", "2"]) == 2
     err = capsys.readouterr().err
     assert f"{trace}:1" in err and "Traceback" not in err
+
+
+def test_an_empty_trace_is_refused(tmp_path, capsys):
+    trace = tmp_path / "empty.jsonl"
+    trace.write_text("\n\n")
+    assert main(["fleetsim", "--trace", str(trace), "--replicas", "2"]) == 2
+    assert "no requests" in capsys.readouterr().err
