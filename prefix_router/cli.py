@@ -195,7 +195,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             if args.fallbacks < 0:
                 raise ConfigError("--fallbacks: a number of endpoints, 0 or more")
             add_picker(app, args.grpc_port, config.host, args.fallbacks)
-    except (ConfigError, OSError, ValueError) as exc:  # ValueError: PREFIX_ROUTER_REQUEST_LOG_KEY not a key
+    except (ConfigError, OSError, ValueError) as exc:  # ValueError: PREFIX_ROUTER_REQUEST_LOG_KEY too short
         print(f"{name}: {exc}", file=sys.stderr)
         return 2
     # SIGTERM (and Ctrl-C): stop accepting, give in-flight requests drain_s, then exit 0

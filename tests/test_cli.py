@@ -132,10 +132,10 @@ def test_the_request_log_bodies_flag_writes_what_audit_reads(tmp_path):
     assert out.returncode == 0 and json.loads(out.stdout)["totals"]["requests"] == 1, out.stderr
 
 
-def test_a_request_log_key_that_is_not_a_number_is_one_line_and_status_2(tmp_path):
+def test_a_request_log_key_too_short_to_be_secret_is_one_line_and_status_2(tmp_path):
     out = subprocess.run(CLI + ["serve", "--replica", "http://127.0.0.1:9", "--port", "0", "--request-log",
                                 str(tmp_path / "r.jsonl"), "--request-log-blocks"], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "PREFIX_ROUTER_REQUEST_LOG_KEY": "word"})
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [
-        "prefix-router serve: PREFIX_ROUTER_REQUEST_LOG_KEY must be an integer below 2**64"]
+        "prefix-router serve: PREFIX_ROUTER_REQUEST_LOG_KEY must be a secret of at least 16 characters"]

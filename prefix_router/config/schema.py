@@ -337,8 +337,8 @@ class GatewayConfig:
     # also write each request's body (prompt text: an operator's explicit choice) and path to
     # the request log, so ``prefix-router audit`` and ``gate`` can read it
     request_log_bodies: bool = False
-    # also write each prompt's chain of block hashes, each re-hashed with a key of the operator's
-    # (PREFIX_ROUTER_REQUEST_LOG_KEY), so no prompt text can be recovered from them:
+    # also write each prompt's chain of block hashes, each under a keyed BLAKE2b (the key: the
+    # operator's secret PREFIX_ROUTER_REQUEST_LOG_KEY), so no guessed prompt can be checked:
     # ``prefix-router fleetsim --trace LOG`` replays the traffic on a fleet of any size
     request_log_blocks: bool = False
     changes: ChangesConfig = ChangesConfig()

@@ -18,9 +18,10 @@ With ``request_log_bodies`` on (an operator's choice: prompt text), each line al
 ``prefix-router audit``, ``prefix-router gate`` and ``replay`` read such a log.
 
 With ``request_log_blocks`` on, each served request's line also holds ``blocks``: its prompt's
-chain of block hashes, each re-hashed with a 64-bit key (``keyed_blocks``) from the environment
-variable ``PREFIX_ROUTER_REQUEST_LOG_KEY`` (an integer; a random one for the process when unset,
-so chains of two runs do not meet), with ``block_size`` and ``units`` (the prompt's tokens, or
+chain of block hashes, each re-hashed with a keyed BLAKE2b (``keyed_blocks``), the key from the
+environment variable ``PREFIX_ROUTER_REQUEST_LOG_KEY`` (a secret of at least 16 characters; a
+random one for the process when unset, so chains of two runs do not meet), with ``block_size``
+and ``units`` (the prompt's tokens, or
 characters without a tokenizer) and ``completion_tokens``. The gateway's own hashes are of token
 ids under a seed anyone can compute, so a guessed prompt could be checked against them; keyed,
 equal prefixes still give equal leading entries, which is all ``prefix-router fleetsim`` needs to
@@ -29,6 +30,7 @@ replay the traffic on a fleet of any size.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -50,34 +52,33 @@ def conversation_tag(conversation: str) -> str | None:
     return xxhash.xxh3_64_hexdigest(conversation.encode("utf-8", "surrogatepass")) if conversation else None
 
 
-def log_key() -> int:
-    """The key of ``keyed_blocks``: ``PREFIX_ROUTER_REQUEST_LOG_KEY`` (an integer, decimal or 0x
-    hex, below 2**64), else a random one. Raises ValueError for a value that is not such an integer."""
+def log_key() -> bytes:
+    """The key of ``keyed_blocks``: ``PREFIX_ROUTER_REQUEST_LOG_KEY``'s UTF-8 bytes (at least 16
+    characters; one over 64 bytes is hashed down to 64), else 32 random bytes. Raises ValueError
+    for a shorter key: a short secret can be guessed, and with it every prompt."""
     value = os.environ.get(KEY_ENV)
     if value is None or not value.strip():
         log.warning("%s is not set: the request log's block chains are keyed at random for this process, so "
-                    "they meet no other process's or run's (set it to one integer for every gateway process)", KEY_ENV)
-        return secrets.randbits(64)
-    try:
-        key = int(value.strip(), 0)
-    except ValueError:
-        raise ValueError(f"{KEY_ENV} must be an integer below 2**64") from None
-    if not 0 <= key < 1 << 64:
-        raise ValueError(f"{KEY_ENV} must be an integer below 2**64")
-    return key
+                    "they meet no other process's or run's (set one secret for every gateway process)", KEY_ENV)
+        return secrets.token_bytes(32)
+    if len(value.strip()) < 16:
+        raise ValueError(f"{KEY_ENV} must be a secret of at least 16 characters")
+    key = value.strip().encode("utf-8", "surrogatepass")
+    return key if len(key) <= 64 else hashlib.blake2b(key).digest()
 
 
-def keyed_blocks(hashes: Sequence[int], key: int) -> list[str]:
-    """Each block hash re-hashed with ``key`` (xxh3-64 of its 8 bytes seeded by the key), as 16
-    hex digits: chained as the hashes are, so equal prefixes give equal leading entries."""
-    return [xxhash.xxh3_64_hexdigest(h.to_bytes(8, "little"), seed=key) for h in hashes]
+def keyed_blocks(hashes: Sequence[int], key: bytes) -> list[str]:
+    """Each block hash under a keyed BLAKE2b (a MAC: without the key no guessed prompt can be
+    checked against it, however many of a log's entries are known), 16 hex digits each: chained
+    as the hashes are, so equal prefixes give equal leading entries."""
+    return [hashlib.blake2b(h.to_bytes(8, "little"), digest_size=8, key=key).hexdigest() for h in hashes]
 
 
 class RequestLog:
     """Appends JSON lines to ``path`` (line buffered: each line is on disk when the request ends).
 
     Raises ``OSError`` when the file cannot be opened, ``ValueError`` when ``blocks`` is on and
-    ``PREFIX_ROUTER_REQUEST_LOG_KEY`` is not a key.
+    ``PREFIX_ROUTER_REQUEST_LOG_KEY`` is too short.
     """
 
     def __init__(self, path: str, blocks: bool = False) -> None:

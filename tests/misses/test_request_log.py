@@ -76,19 +76,20 @@ def test_keyed_blocks_keep_equal_prefixes_equal_and_change_with_the_key():
     from prefix_router.misses.request_log import keyed_blocks
 
     a, b = [11, 22, 33], [11, 22, 44]
-    ka, kb = keyed_blocks(a, 7), keyed_blocks(b, 7)
+    ka, kb = keyed_blocks(a, b"k" * 16), keyed_blocks(b, b"k" * 16)
     assert ka[:2] == kb[:2] and ka[2] != kb[2] and all(len(k) == 16 for k in ka)
-    assert keyed_blocks(a, 8) != ka and ka != [f"{h:016x}" for h in a]
+    assert keyed_blocks(a, b"j" * 16) != ka and ka != [f"{h:016x}" for h in a]
 
 
 def test_the_key_comes_from_the_environment_else_at_random(monkeypatch):
     from prefix_router.misses.request_log import KEY_ENV, log_key
 
-    monkeypatch.setenv(KEY_ENV, "0x10")
-    assert log_key() == 16
+    monkeypatch.setenv(KEY_ENV, "a secret of some length")
+    assert log_key() == b"a secret of some length"
+    monkeypatch.setenv(KEY_ENV, "x" * 100)
+    assert len(log_key()) == 64  # BLAKE2b's longest key
     monkeypatch.delenv(KEY_ENV)
     assert log_key() != log_key()
-    for bad in ("word", str(1 << 64), "-1"):
-        monkeypatch.setenv(KEY_ENV, bad)
-        with pytest.raises(ValueError, match=KEY_ENV):
-            log_key()
+    monkeypatch.setenv(KEY_ENV, "short")
+    with pytest.raises(ValueError, match=KEY_ENV):
+        log_key()

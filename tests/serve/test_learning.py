@@ -317,7 +317,7 @@ async def test_with_blocks_logged_the_line_holds_the_keyed_chain_fleetsim_replay
     from prefix_router.tools.fleetsim.jobs import load_jobs, prompt_of
     from prefix_router.prompts.tokenizer import load_tokenizer
 
-    monkeypatch.setenv(KEY_ENV, "12345")
+    monkeypatch.setenv(KEY_ENV, "twelve three four five")
     path = tmp_path / "requests.jsonl"
     gw = gateway(request_log=str(path), request_log_blocks=True)
     infos = []
@@ -326,7 +326,7 @@ async def test_with_blocks_logged_the_line_holds_the_keyed_chain_fleetsim_replay
         learn(gw, inbound, info, outcome(gw, decision, usage(gw, info, 0)))
         infos.append(info)
     lines = [json.loads(x) for x in path.read_text().splitlines()]
-    assert lines[0]["blocks"] == keyed_blocks(infos[0].hashes, 12345)
+    assert lines[0]["blocks"] == keyed_blocks(infos[0].hashes, b"twelve three four five")
     assert (lines[0]["units"], lines[0]["block_size"]) == (infos[0].num_units, gw.unit_block_size(infos[0]))
     assert "body" not in lines[0] and "briefly" not in path.read_text()
     jobs = load_jobs(str(path))

@@ -65,7 +65,7 @@ def _block_log(path, conversations: int = 12, turns: int = 4):
             chain += [rng.getrandbits(64) for _ in range(rng.randrange(2, 6))]
             t += rng.random()
             lines.append({"t": t + 0.5, "elapsed_s": 0.5, "status": 200, "conversation": f"{c:016x}",
-                          "blocks": keyed_blocks(chain, 99), "block_size": 16, "units": 16 * len(chain) + 5,
+                          "blocks": keyed_blocks(chain, b"a key of sixteen+"), "block_size": 16, "units": 16 * len(chain) + 5,
                           "completion_tokens": 12})
     rng.shuffle(lines)  # written as they ended
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
