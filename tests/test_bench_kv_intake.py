@@ -6,8 +6,9 @@ from bench.commands.kv_intake import main, measure
 
 
 def test_a_cell_times_both_views_on_the_same_messages():
-    cell = measure(requests=4, blocks=2, held=500, reps=3)
-    assert cell["events"] == 4 * 3 and cell["per-block"] > 0 and cell["engine"] > 0
+    cell = measure(requests=4, blocks=2, held=500, reps=3, together=3)
+    assert cell["events"] == 4 * 3 and cell["read_together"] == 3
+    assert cell["per-block"] > 0 and cell["engine"] > 0 and cell["together"] > 0
 
 
 def test_the_command_writes_its_results_folder(tmp_path):

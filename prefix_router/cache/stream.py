@@ -17,7 +17,8 @@ its ``EngineView`` in sequence order (``prefix_router/cache/events.py`` has the 
   to the view; the engine's ``cached_tokens`` on the next request shows it (``parity``).
 
 One stream per replica and gateway process; they share nothing, so every gateway instance that
-subscribes to every replica builds the same picture.
+subscribes to every replica builds the same picture. Messages that wait unread are applied as one
+stretch of events (``BATCH_BYTES``).
 
 ZMQ authenticates nobody: whoever reaches the publisher's ports, or binds them, can wipe or steer
 this replica's view (its routing), never another replica's, never a request's content. What it
@@ -70,6 +71,10 @@ MAX_SEQ = 1 << 63  # vLLM counts from 0 (``itertools.count``); -1, read unsigned
 RESUBSCRIBE_WAIT_S = 1.0  # after a dropped connection: a publisher that drops it on purpose costs a replay a second
 CONNECT_WAIT_S = 5.0  # a publisher not connected by then: catch up anyway (the live stream repairs later)
 SUBSCRIBE_WAIT_S = 0.05  # after CONNECTED, for the subscription to reach the publisher (a loopback round trip)
+BATCH_BYTES = 256 << 10
+"""Bytes of messages, read as they wait and applied as one stretch of events (``_apply``): a busy
+engine publishes a message a step, mostly of a few one-block events, and the view's cost is mostly
+per call (``bench/results/kv-intake/``). Bounds what one read holds beside one message at the cap."""
 SEEN_BATCHES = 1024  # digests kept to tell a batch delivered twice from a restarted engine's
 REBUILD_BLOCKS = 28_000  # when the replica's capacity is unknown: prefix_router/tools/sim/config.py's H100 replica
 
@@ -97,19 +102,16 @@ class EventStream:
                  topic: str = "", rebuild_blocks: Callable[[], int] = lambda: REBUILD_BLOCKS,
                  replay_timeout_s: float = 2.0, context: zmq.asyncio.Context | None = None) -> None:
         self.name = name
-        self.endpoint = endpoint
-        self.replay_endpoint = replay_endpoint
+        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.view = view
         self.topic = topic
-        self.rebuild_blocks = rebuild_blocks
-        self.replay_timeout_s = replay_timeout_s
+        self.rebuild_blocks, self.replay_timeout_s = rebuild_blocks, replay_timeout_s
         self._context = context or zmq.asyncio.Context.instance()
         self.last_seq: int | None = None
         self.last_event_at: float | None = None  # monotonic seconds of the last batch applied
         self.batches = self.events = 0
         self.gaps_repaired = self.gaps_lost = self.restarts = self.undecodable = 0
-        self.stale = False
-        self.stale_reason = ""
+        self.stale, self.stale_reason = False, ""
         self._rebuild_left = 0  # blocks the engine must store before a stale view is trusted again
         self._lock = asyncio.Lock()  # one of receive and catch_up at a time: batches apply in order
         self._seen: OrderedDict[int, int] = OrderedDict()  # seq -> payload digest, the last SEEN_BATCHES
@@ -178,18 +180,23 @@ class EventStream:
                 if monitor in ready and _dropped(await monitor.recv_multipart()):
                     log.info("replica %s: its KV event publisher's connection dropped; subscribing again", self.name)
                     return
-                if sub not in ready:
-                    continue
-                frames = await sub.recv_multipart()
-                await self._yield()
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    self.undecodable += 1
-                    continue
-                await self.receive(int.from_bytes(frames[1], "big"), frames[2])
+                if sub in ready:
+                    await self.receive_all(await self._waiting(sub))
         finally:
             sub.disable_monitor()
             monitor.close()
             sub.close()
+
+    async def _waiting(self, sub: zmq.asyncio.Socket) -> list[tuple[int, bytes]]:
+        """The messages ``sub`` has ready, as (seq, payload): at least one, then what waits
+        unread, until BATCH_BYTES are taken. Malformed ones count as undecodable."""
+        read = [await sub.recv_multipart()]
+        with contextlib.suppress(zmq.Again):
+            while sum(len(f) for frames in read for f in frames) < BATCH_BYTES:
+                read.append(await sub.recv_multipart(flags=zmq.NOBLOCK))
+        messages = [(int.from_bytes(f[1], "big"), f[2]) for f in read if len(f) == 3 and len(f[1]) == 8]
+        self.undecodable += len(read) - len(messages)
+        return messages
 
     async def _yield(self) -> None:
         """Let the event loop run if this stream has run for SLICE_S since it last did."""
@@ -198,13 +205,26 @@ class EventStream:
             self._ran_since = time.perf_counter()
 
     async def receive(self, seq: int, payload: bytes) -> None:
-        """Apply one message from the live stream, after any batches it shows are missing. A
-        sequence number vLLM never sends (below 0, from 2**63) counts as undecodable."""
-        if not 0 <= seq < MAX_SEQ:
-            self.undecodable += 1
-            return
+        """Apply one message from the live stream, after any batches it shows are missing."""
+        await self.receive_all([(seq, payload)])
+
+    async def receive_all(self, messages: list[tuple[int, bytes]]) -> None:
+        """Apply (seq, payload) messages from the live stream in order, each after any batches it
+        shows are missing; a number vLLM never sends (below 0, from 2**63) counts as undecodable."""
         async with self._lock:
-            await self._receive(seq, payload)
+            following: list[tuple[int, bytes | memoryview]] = []
+            for seq, payload in messages:
+                if not 0 <= seq < MAX_SEQ:
+                    self.undecodable += 1
+                    continue
+                last = following[-1][0] if following else self.last_seq
+                if last is None or seq != last + 1:
+                    await self._apply(following)
+                    following = []
+                    if not await self._receive(seq, payload):
+                        continue
+                following.append((seq, payload))
+            await self._apply(following)
 
     async def catch_up(self) -> int:
         """Ask the replay socket for every batch after the last one seen: a message lost on the
@@ -238,16 +258,23 @@ class EventStream:
                     self.mark_stale(reason)
                 else:
                     self._lose(reason)
+            following: list[tuple[int, memoryview]] = []
             for seq, payload in replayed:
-                if self.last_seq is not None and self.last_seq >= 0 and seq != self.last_seq + 1:
-                    self._lose(f"the replay skipped batches {self.last_seq + 1}-{seq - 1}")
-                await self._apply(seq, payload)
+                last = following[-1][0] if following else self.last_seq
+                if last is not None and last >= 0 and seq != last + 1:
+                    await self._apply(following)
+                    following = []
+                    self._lose(f"the replay skipped batches {last + 1}-{seq - 1}")
+                following.append((seq, payload))
+            await self._apply(following)
             return len(replayed)
 
-    async def _receive(self, seq: int, payload: bytes) -> None:
+    async def _receive(self, seq: int, payload: bytes) -> bool:
+        """Ready the view for a message that does not follow the last one: a batch applied
+        already (False), a restarted engine, or a gap to repair first (True)."""
         last = self.last_seq if self.last_seq != -1 else None
         if last is not None and seq <= last and self._seen.get(seq) == xxhash.xxh3_64_intdigest(payload):
-            return  # delivered live after a catch-up had replayed it: applied already
+            return False  # delivered live after a catch-up had replayed it: applied already
         if last is not None and seq <= last:
             self.restarts += 1
             log.info("replica %s: KV event sequence went back from %d to %d (engine restarted); "
@@ -258,7 +285,7 @@ class EventStream:
         start = 0 if last is None else last + 1
         if seq > start:
             await self._repair(start, seq)
-        await self._apply(seq, payload)
+        return True
 
     async def _repair(self, start: int, until: int) -> None:
         if self.replay_endpoint is None:
@@ -266,8 +293,7 @@ class EventStream:
         else:
             replayed, short = await self._replay(start, until)
         if short is None and len(replayed) == until - start:  # increasing, in [start, until): every one
-            for seq, payload in replayed:
-                await self._apply(seq, payload)
+            await self._apply(replayed)
             self.gaps_repaired += start > 0  # joining a running stream is no gap
             return
         self._lose(f"batches {start}-{until - 1} missed, and {short or 'the publisher no longer buffers them'}")
@@ -348,16 +374,34 @@ class EventStream:
             self.undecodable += self.view.bad_events - bad
             yield 1
 
-    async def _apply(self, seq: int, payload: bytes | memoryview) -> None:
+    async def _apply(self, messages: list[tuple[int, bytes | memoryview]]) -> None:
+        """Apply messages whose numbers follow on one another, in groups of up to BATCH_BYTES
+        (one message larger alone): a group's events go to the view as one stretch (``_steps``),
+        so that a busy engine's many small messages cost the view's calls once."""
+        group: list[tuple[int, bytes | memoryview]] = []
+        for seq, payload in messages:
+            if group and sum(len(p) for _, p in group) + len(payload) > BATCH_BYTES:
+                await self._apply_group(group)
+                group = []
+            group.append((seq, payload))
+        if group:
+            await self._apply_group(group)
+
+    async def _apply_group(self, group: list[tuple[int, bytes | memoryview]]) -> None:
         await self._yield()  # before its decoding, one call
-        self.last_seq = seq
-        self._seen[seq] = xxhash.xxh3_64_intdigest(payload)
-        if len(self._seen) > SEEN_BATCHES:
-            self._seen.popitem(last=False)
-        try:
-            _, raw_events, _ = decode_events(payload)
-        except ValueError:
-            self.undecodable += 1
+        raw_events: list = []
+        decoded = 0
+        for seq, payload in group:
+            self.last_seq = seq
+            self._seen[seq] = xxhash.xxh3_64_intdigest(payload)
+            if len(self._seen) > SEEN_BATCHES:
+                self._seen.popitem(last=False)
+            try:
+                raw_events += decode_events(payload)[1]
+                decoded += 1
+            except ValueError:
+                self.undecodable += 1
+        if not decoded:
             return
         stored_before, epoch = self.view.stored, self._epoch
         await self._yield()
@@ -365,9 +409,9 @@ class EventStream:
             await self._yield()  # requests go between the steps of a long batch or replay
             if self._epoch != epoch:
                 return  # the view was forgotten meanwhile (reset, marked stale): so is the rest
-        self.batches += 1
+        self.batches += decoded
         self.last_event_at = time.monotonic()
-        if self.view.overflowed:  # what this batch stored is no rebuilding
+        if self.view.overflowed:  # what these batches stored is no rebuilding
             self.mark_stale(f"the events describe more blocks than the replica holds ({self.view.max_blocks})")
         elif self.stale and self._rebuild_left > 0:
             self._rebuild_left -= self.view.stored - stored_before
