@@ -56,7 +56,8 @@ async def read_body(request: web.Request, limits: LimitsConfig) -> bytes | web.R
         return openai_error(415, f"Content-Encoding {encoding[:40]!r} is not read here (gzip, deflate or none)",
                             type_="UnsupportedMediaTypeError")
     try:
-        raw = await asyncio.wait_for(request.read(), limits.body_timeout_s)
+        async with asyncio.timeout(limits.body_timeout_s):  # not wait_for: no task of its own a request
+            raw = await request.read()
         return inflate(raw, encoding, limit) if encoding in _WBITS else raw
     except asyncio.TimeoutError:
         return _closing(openai_error(408, f"the request body did not arrive within {limits.body_timeout_s:g} s",

@@ -11,6 +11,8 @@ whole rendered text at once. The compiled template against ``apply_chat_template
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -112,3 +114,14 @@ def test_a_next_turn_reuses_its_prefix_while_the_cache_holds_it_and_encodes_anew
     assert small.render_chat_tokens(later[-1]).known is not None  # the latest is still held
     assert small.render_chat_tokens(later[0]).known is None  # the oldest was evicted: a full encode
     assert all(roomy.render_chat_tokens(m).known is not None for m in first_turns(roomy, 20))
+
+
+@pytest.mark.parametrize("preset", [None, "true"])
+def test_loading_a_tokenizer_turns_its_thread_pool_off_unless_the_operator_chose(tokenizer_dir, monkeypatch, preset):
+    # one text a call: the pool splits nothing, and waking it costs CPU a request
+    if preset is None:
+        monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    else:
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", preset)
+    HFTokenizer(str(tokenizer_dir))
+    assert os.environ["TOKENIZERS_PARALLELISM"] == (preset or "false")
