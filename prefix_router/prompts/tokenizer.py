@@ -112,9 +112,9 @@ class HFTokenizer:
 
         # transformers warns at import that PyTorch is absent; tokenizers need no PyTorch.
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        # One text a call: tokenizers' thread pool can split nothing, yet waking its threads cost
-        # ~0.2 ms of CPU a 1k-token chat at 50 requests/s (docs/performance-notes.md). Read at
-        # every encode, so an operator's own setting still wins.
+        # One text a call: tokenizers' thread pool can split nothing, yet waking its threads
+        # costs CPU every request (docs/performance-notes.md). Read at every encode, so an
+        # operator's own setting still wins.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from transformers import AutoTokenizer  # deferred: importing transformers takes ~1 s
 

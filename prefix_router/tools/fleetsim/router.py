@@ -8,34 +8,31 @@ first token comes and when it ends, and what ``serve/learning.py`` adds to the s
 afterwards, is counted here at the simulator's times; a scrape sets a replica's queue as
 ``fleet/replicas.apply_metrics`` does from ``/metrics``.
 
-``ConsistentHashPolicy`` models the peers' consistent hashing with bounded loads, keyed by a
-prompt's first 256 tokens (vllm-router's ``consistent_hash``, SGLang's ``prefix_hash``).
+The peers' policies it plays beside this gateway's are in ``peers.py``.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from prefix_router.cache.blocks import BlockHash
-from prefix_router.cache.holders import match_all
 from prefix_router.cache.shadow import ShadowIndex
 from prefix_router.cache.tree import BlockTree
 from prefix_router.config import ReplicaConfig, RoutingConfig
 from prefix_router.fleet.replicas import ReplicaState
 from prefix_router.prompts.analysis import PromptInfo
 from prefix_router.routing.bounds import ReplicaView
-from prefix_router.routing.decision import Decision, Route
+from prefix_router.routing.decision import Decision
 from prefix_router.routing.policy import make_policy
 from prefix_router.routing.prefix_stats import BranchStats, PrefixDemand
 from prefix_router.routing.ring import Ring
+from prefix_router.tools.fleetsim.peers import CacheAwarePolicy, ConsistentHashPolicy
 
-__all__ = ["POLICIES", "ConsistentHashPolicy", "Sent", "SimRouter"]
+__all__ = ["POLICIES", "Sent", "SimRouter"]
 
 # the policies ``prefix-router fleetsim`` compares, by the name its ``--policy`` takes
-POLICIES = ("prefix-router", "round-robin", "least-loaded", "consistent-hash")
+POLICIES = ("prefix-router", "round-robin", "least-loaded", "consistent-hash", "sglang-cache-aware")
 _CONFIG_NAMES = {"prefix-router": "prefix-affinity", "round-robin": "round-robin", "least-loaded": "least-loaded"}
 
 
@@ -43,35 +40,6 @@ _CONFIG_NAMES = {"prefix-router": "prefix-affinity", "round-robin": "round-robin
 def _ring(names: tuple[str, ...], virtual_nodes: int) -> Ring:
     """One ring of ``names``, shared by the runs of a fleet: nothing routing does changes it."""
     return Ring.of(names, virtual_nodes)
-
-
-class ConsistentHashPolicy:
-    """Consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, 2018): the ring
-    position of the prompt's first ``key_tokens`` tokens (its block of that depth), then the first
-    replica along the ring whose requests in flight are below ``(1 + epsilon)`` times the mean
-    (counting this one), so no replica takes more than that share. vllm-router's and SGLang's
-    gateways hash a prompt's leading text the same way; ``epsilon`` 0.25 is the paper's example."""
-
-    def __init__(self, ring: Ring, block_size: int, key_tokens: int = 256, epsilon: float = 0.25) -> None:
-        self.ring = ring
-        self.key_blocks = max(key_tokens // block_size, 1)
-        self.epsilon = epsilon
-
-    def select(self, hashes: Sequence[BlockHash], full_hash: int, replicas: Mapping[str, ReplicaView],
-               session_key: str | None = None, max_hit_blocks: int | None = None,
-               first_turn: bool | None = None) -> Decision:
-        if not replicas:
-            raise LookupError("no healthy replica")
-        key = f"b:{hashes[self.key_blocks - 1]:016x}" if len(hashes) >= self.key_blocks else f"p:{full_hash:016x}"
-        order = [n for n in self.ring.candidates(key) if n in replicas] or sorted(replicas)
-        bound = math.ceil((1 + self.epsilon) * (sum(v.load for v in replicas.values()) + 1) / len(replicas))
-        chosen = next((n for n in order if replicas[n].load < bound), order[0])
-        cap = len(hashes) if max_hit_blocks is None else max_hit_blocks
-        matches = match_all(hashes, {n: v.shadow for n, v in replicas.items()}, cap)
-        best = max(order, key=matches.__getitem__)
-        return Decision(chosen, Route.AFFINITY if chosen == order[0] else Route.SPILL,
-                        predicted_blocks=matches[chosen], best_blocks=matches[best], best_replica=best,
-                        key=key, matches=matches, spilled_from=None if chosen == order[0] else order[0])
 
 
 @dataclass(slots=True)
@@ -107,6 +75,8 @@ class SimRouter:
                                                shadow=ShadowIndex(capacity, self.tree))
         if policy == "consistent-hash":
             self.policy = ConsistentHashPolicy(self.ring, block_size)
+        elif policy == "sglang-cache-aware":
+            self.policy = CacheAwarePolicy(self.replicas, block_size)
         else:
             config = replace(self.routing, policy=_CONFIG_NAMES[policy])
             self.policy = make_policy(config, self.ring, self.branches, self.demand)
