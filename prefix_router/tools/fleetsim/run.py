@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from prefix_router.prompts.tokenizer import PromptTokenizer
 from prefix_router.tools.fleetsim.jobs import new_blocks, prompt_of
 from prefix_router.tools.fleetsim.router import Sent, SimRouter
-from prefix_router.tools.replay.request import ReplayRequest
+from prefix_router.tools.replay.request import CHAT, ReplayRequest
 from prefix_router.tools.replay.summary import percentile
 from prefix_router.tools.sim.config import SimConfig
 from prefix_router.tools.sim.scheduler import Scheduler, SimRequest, Step
@@ -31,7 +31,7 @@ __all__ = ["FleetConfig", "simulate"]
 
 _ARRIVE, _STEP, _SCRAPE, _RUN = 0, 1, 2, 3
 _LONGEST_RUN = 4096  # decode-only steps applied at once at most
-_MODEL = "sim"
+_MODEL = ""  # the bodies name none: the engine's first block is seeded as the gateway's is
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +142,8 @@ def simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig,
             push(last + max(math.ceil((t - last) / interval), 1) * interval, _SCRAPE, replica.name)
         max_tokens = int(request.body.get("max_tokens") or fleet.default_max_tokens)
         job = SimRequest(str(i), ids, max(max_tokens, 1), model=_MODEL, arrival_s=t)
+        if info.exact and request.path != CHAT and not isinstance(request.body.get("prompt"), str):
+            job.block_hashes = list(info.hashes)  # the gateway hashed these very ids, as the engine would
         inflight[job] = (i, sent, t)
         if replica.run is not None:  # the run ends with the step under way: the request waits for the next
             ends = replica.run

@@ -94,3 +94,17 @@ def test_decode_only_steps_applied_at_once_change_nothing_in_a_run(mixed, policy
         figures = simulate(mixed, policy, FleetConfig(replicas=3, engine=SMALL, decode_runs=runs), tok, records=records)
         outs.append((figures, records))
     assert outs[0] == outs[1]
+
+
+def test_the_engine_takes_the_gateways_hashes_of_a_token_prompt_as_it_would_compute_them():
+    """A prompt of token ids is hashed once: the engine's prefix cache is keyed by the hashes the
+    gateway's analysis made, which equal the engine's own (one seed, one block size)."""
+    from prefix_router.tools.fleetsim import run
+    from prefix_router.tools.fleetsim.jobs import prompt_of
+    from prefix_router.tools.sim.scheduler import Scheduler, SimRequest
+
+    request = ReplayRequest(COMPLETIONS, {"max_tokens": 4}, meta={"hash_ids": [3, 4, 5], "input_length": 1500})
+    info, ids = prompt_of(request, load_tokenizer(None), block_size=16, char_block_size=64)
+    job = SimRequest("0", ids, 4, model=run._MODEL)
+    Scheduler(SimConfig(block_size=16)).add(job)
+    assert info.exact and job.block_hashes == info.hashes and len(job.block_hashes) == 1500 // 16
