@@ -3,7 +3,7 @@
 ``COMMANDS`` misses fails ``tests/test_bench_main.py``."""
 
 COMMANDS = ("compare", "overhead", "choice", "fleet-cost", "instances", "mooncake", "load", "hostile-bodies",
-            "sim-throughput", "kv-event-sizes", "kv-intake", "fleetsim-speed")
+            "sim-throughput", "kv-event-sizes", "kv-intake", "fleetsim", "fleetsim-speed")
 
 
 def module_of(command: str) -> str:

@@ -1,7 +1,11 @@
 """The peer routers' policies, as the fleet simulator plays them, on the gateway's token blocks.
 
 ``ConsistentHashPolicy``: consistent hashing with bounded loads keyed by a prompt's first 256
-tokens (vllm-router's ``consistent_hash``, SGLang's ``prefix_hash``).
+tokens (SGLang's ``prefix_hash``: ``prefix_token_count`` 256, ``prefix_hash_load_factor`` 1.25).
+
+``SessionHashPolicy``: vllm-router's ``consistent_hash`` (0.1.17, its load-balancing guide): the
+ring position of the request's session id (``X-Session-ID`` and its kin, or the body's ``user``),
+else of a hash of the whole body; no load bound.
 
 ``CacheAwarePolicy``: SGLang's gateway's ``cache_aware``, as ``sgl-router/src/policies/
 cache_aware.rs`` describes and does it. An approximate radix tree per worker of every prompt
@@ -35,7 +39,7 @@ from prefix_router.routing.bounds import ReplicaView
 from prefix_router.routing.decision import Decision, Route
 from prefix_router.routing.ring import Ring
 
-__all__ = ["CacheAwarePolicy", "ConsistentHashPolicy"]
+__all__ = ["CacheAwarePolicy", "ConsistentHashPolicy", "SessionHashPolicy"]
 
 CHARS_PER_TOKEN = 4  # English text in a Llama-3 tokenizer, about: SGLang's cap counts characters
 
@@ -62,6 +66,23 @@ class ConsistentHashPolicy:
         bound = math.ceil((1 + self.epsilon) * (sum(v.load for v in replicas.values()) + 1) / len(replicas))
         chosen = next((n for n in order if replicas[n].load < bound), order[0])
         return _decision(chosen, order[0], hashes, replicas, max_hit_blocks, key)
+
+
+class SessionHashPolicy:
+    """vllm-router's ``consistent_hash`` (module docstring): a session's requests on one replica,
+    any other request where the hash of its prompt falls on the ring, whatever the loads."""
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+
+    def select(self, hashes: Sequence[BlockHash], full_hash: int, replicas: Mapping[str, ReplicaView],
+               session_key: str | None = None, max_hit_blocks: int | None = None,
+               first_turn: bool | None = None) -> Decision:
+        if not replicas:
+            raise LookupError("no healthy replica")
+        key = f"s:{session_key}" if session_key is not None else f"p:{full_hash:016x}"
+        chosen = next((n for n in self.ring.candidates(key) if n in replicas), None) or sorted(replicas)[0]
+        return _decision(chosen, chosen, hashes, replicas, max_hit_blocks, key)
 
 
 class CacheAwarePolicy:

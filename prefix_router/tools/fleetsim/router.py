@@ -27,12 +27,13 @@ from prefix_router.routing.decision import Decision
 from prefix_router.routing.policy import make_policy
 from prefix_router.routing.prefix_stats import BranchStats, PrefixDemand
 from prefix_router.routing.ring import Ring
-from prefix_router.tools.fleetsim.peers import CacheAwarePolicy, ConsistentHashPolicy
+from prefix_router.tools.fleetsim.peers import CacheAwarePolicy, ConsistentHashPolicy, SessionHashPolicy
 
 __all__ = ["POLICIES", "Sent", "SimRouter"]
 
 # the policies ``prefix-router fleetsim`` compares, by the name its ``--policy`` takes
-POLICIES = ("prefix-router", "round-robin", "least-loaded", "consistent-hash", "sglang-cache-aware")
+POLICIES = ("prefix-router", "round-robin", "least-loaded", "consistent-hash", "vllm-router-consistent-hash",
+            "sglang-cache-aware")
 _CONFIG_NAMES = {"prefix-router": "prefix-affinity", "round-robin": "round-robin", "least-loaded": "least-loaded"}
 
 
@@ -75,6 +76,8 @@ class SimRouter:
                                                shadow=ShadowIndex(capacity, self.tree))
         if policy == "consistent-hash":
             self.policy = ConsistentHashPolicy(self.ring, block_size)
+        elif policy == "vllm-router-consistent-hash":
+            self.policy = SessionHashPolicy(self.ring)
         elif policy == "sglang-cache-aware":
             self.policy = CacheAwarePolicy(self.replicas, block_size)
         else:

@@ -13,6 +13,7 @@ replay`` sends it; a request without a session at its trace time over ``rate_sca
 from __future__ import annotations
 
 import bisect
+import gc
 import heapq
 import itertools
 import math
@@ -71,7 +72,22 @@ def simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig,
     ``ttft_p50_s``/``ttft_p99_s`` (send to first token), ``requests`` (served), ``rejected``
     (prompts no engine takes), ``duration_s`` (virtual). ``progress`` is called with each
     request done; ``records`` gets a dict a request served: its index, replica, the times it was
-    sent, had its first token and ended, and its prompt and cached tokens."""
+    sent, had its first token and ended, and its prompt and cached tokens.
+
+    Python's cyclic collector is off meanwhile: a run keeps millions of objects alive to its end
+    (every replica's KV blocks), which each full collection walked again, and leaves no cycles
+    worth its time (docs/performance-notes.md)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _simulate(requests, policy, fleet, tokenizer, progress, records)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig, tokenizer: PromptTokenizer,
+              progress: Callable[[int], None] | None, records: list[dict] | None) -> dict:
     engine, block_size = fleet.engine, fleet.engine.block_size
     # vLLM refuses to start with a max_model_len its KV cache cannot hold: a longer one would
     # leave a request no replica can ever schedule

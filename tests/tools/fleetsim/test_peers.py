@@ -89,3 +89,13 @@ def test_cache_aware_spreads_prompts_past_a_prefix_every_tree_holds_as_a_tree_of
     assert len(set(chosen)) == 4  # each to the worker its own continuation names, not all to one
     prompt = _info(rng, shared, 2).hashes
     assert router.policy._tie(prompt, 8, list(router.policy.trees)) == router.policy._tie(prompt, 8, list(reversed(router.policy.trees)))
+
+
+def test_vllm_routers_consistent_hash_keeps_a_session_on_one_replica_and_scatters_prompts_without_one():
+    rng = random.Random(7)
+    router = SimRouter([f"r{i}" for i in range(8)], "vllm-router-consistent-hash", block_size=BLOCK, capacity=500)
+    shared = [rng.randrange(300, 30_000) for _ in range(8 * BLOCK)]
+    session = {router.send(_info(rng, shared), "conversation-1", float(t)).replica.name for t in range(12)}
+    assert len(session) == 1 and router.replicas[session.pop()].inflight == 12  # no load bound
+    alone = {router.send(_info(rng, shared), None, float(t)).replica.name for t in range(40)}
+    assert len(alone) >= 5  # one shared prefix, yet placed by the whole prompt's hash

@@ -108,3 +108,22 @@ def test_the_engine_takes_the_gateways_hashes_of_a_token_prompt_as_it_would_comp
     job = SimRequest("0", ids, 4, model=run._MODEL)
     Scheduler(SimConfig(block_size=16)).add(job)
     assert info.exact and job.block_hashes == info.hashes and len(job.block_hashes) == 1500 // 16
+
+
+def test_the_cyclic_collector_is_off_during_a_run_and_back_after(mixed):
+    import gc
+
+    enabled = [gc.isenabled()]
+    simulate(mixed, "prefix-router", FleetConfig(replicas=2, engine=SMALL), _Watch(load_tokenizer(None), enabled))
+    assert enabled[0] and len(enabled) > 1 and not any(enabled[1:]) and gc.isenabled()
+
+
+class _Watch:
+    """A tokenizer that notes whether the collector is on each time the run asks it for ids."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    def __getattr__(self, name):
+        self.log.append(__import__("gc").isenabled())
+        return getattr(self.inner, name)
