@@ -16,9 +16,8 @@ its ``EngineView`` in sequence order (``prefix_router/cache/events.py`` has the 
   evicted or stored again. A prefix held since before the gap and never freed stays unknown
   to the view; the engine's ``cached_tokens`` on the next request shows it (``parity``).
 
-One stream per replica and gateway process; they share nothing, so every gateway instance that
-subscribes to every replica builds the same picture. Messages that wait unread are applied as one
-stretch of events (``BATCH_BYTES``).
+One stream per replica and gateway process, sharing nothing: every gateway instance that
+subscribes to every replica builds the same picture. Messages waiting unread apply as one stretch.
 
 ZMQ authenticates nobody: whoever reaches the publisher's ports, or binds them, can wipe or steer
 this replica's view (its routing), never another replica's, never a request's content. What it
@@ -75,6 +74,7 @@ BATCH_BYTES = 256 << 10
 """Bytes of messages, read as they wait and applied as one stretch of events (``_apply``): a busy
 engine publishes a message a step, mostly of a few one-block events, and the view's cost is mostly
 per call (``bench/results/kv-intake/``). Bounds what one read holds beside one message at the cap."""
+BATCH_MESSAGES = 256  # and messages: a flood of empty ones is read a bounded stretch at a time
 SEEN_BATCHES = 1024  # digests kept to tell a batch delivered twice from a restarted engine's
 REBUILD_BLOCKS = 28_000  # when the replica's capacity is unknown: prefix_router/tools/sim/config.py's H100 replica
 
@@ -189,11 +189,13 @@ class EventStream:
 
     async def _waiting(self, sub: zmq.asyncio.Socket) -> list[tuple[int, bytes]]:
         """The messages ``sub`` has ready, as (seq, payload): at least one, then what waits
-        unread, until BATCH_BYTES are taken. Malformed ones count as undecodable."""
+        unread, up to BATCH_BYTES or BATCH_MESSAGES. Malformed ones count as undecodable."""
         read = [await sub.recv_multipart()]
+        taken = sum(map(len, read[0]))
         with contextlib.suppress(zmq.Again):
-            while sum(len(f) for frames in read for f in frames) < BATCH_BYTES:
+            while taken < BATCH_BYTES and len(read) < BATCH_MESSAGES:
                 read.append(await sub.recv_multipart(flags=zmq.NOBLOCK))
+                taken += sum(map(len, read[-1]))
         messages = [(int.from_bytes(f[1], "big"), f[2]) for f in read if len(f) == 3 and len(f[1]) == 8]
         self.undecodable += len(read) - len(messages)
         return messages
@@ -375,9 +377,8 @@ class EventStream:
             yield 1
 
     async def _apply(self, messages: list[tuple[int, bytes | memoryview]]) -> None:
-        """Apply messages whose numbers follow on one another, in groups of up to BATCH_BYTES
-        (one message larger alone): a group's events go to the view as one stretch (``_steps``),
-        so that a busy engine's many small messages cost the view's calls once."""
+        """Apply messages whose numbers follow on one another, in groups of up to BATCH_BYTES (one
+        larger alone), a group's events as one stretch (``_steps``): the view's calls paid once."""
         group: list[tuple[int, bytes | memoryview]] = []
         for seq, payload in messages:
             if group and sum(len(p) for _, p in group) + len(payload) > BATCH_BYTES:
@@ -389,8 +390,7 @@ class EventStream:
 
     async def _apply_group(self, group: list[tuple[int, bytes | memoryview]]) -> None:
         await self._yield()  # before its decoding, one call
-        raw_events: list = []
-        decoded = 0
+        raw_events, decoded = [], 0
         for seq, payload in group:
             self.last_seq = seq
             self._seen[seq] = xxhash.xxh3_64_intdigest(payload)

@@ -112,3 +112,28 @@ async def test_a_stream_that_falls_behind_applies_what_waits_in_fewer_steps_than
         assert sum(groups) >= len(roots) and len(groups) < len(roots)
     finally:
         task.cancel()
+
+
+async def test_a_read_takes_a_bounded_number_of_waiting_messages_however_small():
+    import zmq
+    import zmq.asyncio
+
+    context = zmq.asyncio.Context()
+    pub, sub = context.socket(zmq.PUB), context.socket(zmq.SUB)
+    try:
+        pub.bind("inproc://flood")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.connect("inproc://flood")
+        await asyncio.sleep(0.05)
+        for seq in range(3 * stream_module.BATCH_MESSAGES):
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), b"\x90"])  # an empty batch: a few bytes
+        await asyncio.sleep(0.05)
+        stream = EventStream("replica-0", "tcp://127.0.0.1:1", None, view())
+        reads = [await stream._waiting(sub) for _ in range(3)]
+        assert [len(r) for r in reads] == [stream_module.BATCH_MESSAGES] * 3
+        assert [seq for r in reads for seq, _ in r] == list(range(3 * stream_module.BATCH_MESSAGES))
+    finally:
+        pub.close(0)
+        sub.close(0)
+        context.term()
