@@ -48,8 +48,8 @@ class ConsistentHashPolicy:
     """Consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, 2018): the ring
     position of the prompt's first ``key_tokens`` tokens (its block of that depth), then the first
     replica along the ring whose requests in flight are below ``(1 + epsilon)`` times the mean
-    (counting this one), so no replica takes more than that share. vllm-router's and SGLang's
-    gateways hash a prompt's leading text the same way; ``epsilon`` 0.25 is the paper's example."""
+    (counting this one), so no replica takes more than that share. SGLang's ``prefix_hash``
+    keys a prompt's leading tokens the same way, with a load factor of 1.25: ``epsilon`` 0.25."""
 
     def __init__(self, ring: Ring, block_size: int, key_tokens: int = 256, epsilon: float = 0.25) -> None:
         self.ring = ring
