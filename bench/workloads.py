@@ -5,26 +5,16 @@ matrix of workloads ``compare`` runs every system on.
   conversations, one request in four opening one with a system prompt of its own, the others
   extending one sent a few requests before; so a prompt stays near N tokens however many are
   sent, and the gateway meets both its paths (a new prompt, and a conversation's next turn).
-- ``generated_shared_prefix``: SGLang's ``bench_serving --dataset-name generated-shared-prefix``
-  (``GeneratedSharedPrefixLoader``): ``groups`` system prompts of ``system_len`` random tokens,
-  each followed by ``per_group`` questions of ``question_len`` random tokens, ``output_len``
-  tokens out. Defaults are SGLang's (64 x 16, 2,048, 128, 256). The requests are shuffled, so a
-  group's prompts arrive spread over the run, and sent as ``/v1/completions`` text prompts.
-- ``one_system_prompt``: many short chat sessions that share one long system prompt (a
-  product's assistant, a coding agent's instructions): the shape where prefix affinity must
-  not send everything to one replica.
+- SGLang's generated shared prefix, sessions of one system prompt and coding agents: made by
+  ``prefix_router/tools/replay/shapes.py`` (the replayer and ``fleetsim`` take them by name too).
 - ``VllmBenchShape``: a ``vllm bench serve`` dataset (``drivers.run_vllm_bench`` sends it):
   ``prefix_repetition`` (a few long prefixes, each reused by many single-turn requests with a
   suffix of their own: RAG over shared documents, few-shot and templated prompts) and ``random``
   with ``--random-prefix-len`` (one prefix shared by every request). Its client counts tokens
   with the tiny tokenizer and sends text; the simulated replicas count 4 bytes a token, so
   lengths differ from the flags while the sharing between prompts, which routing sees, is the
-  dataset's.
-
-The shapes' prompts are ``token_text`` strings (4 characters a token id), so the simulator's
-byte tokenizer reads exactly the token counts given, and every router, text-only ones included,
-sees the same text. Arrivals are Poisson at ``rate`` requests (or sessions) per modelled second;
-everything is seeded.
+  dataset's. ``vllm_bench_requests`` makes the same prompts as a request list (``shapes.py``),
+  for the fleet simulator.
 """
 
 from __future__ import annotations
@@ -36,17 +26,20 @@ from pathlib import Path
 
 from prefix_router.tools.launch import find_vllm_python
 from prefix_router.tools.replay.generate import builtin_workload
-from prefix_router.tools.replay.workloads import CHAT, COMPLETIONS, ReplayRequest, load_mooncake, token_text
+from prefix_router.tools.replay.request import ReplayRequest
+from prefix_router.tools.replay.shapes import (coding_agents, generated_shared_prefix, one_system_prompt,
+                                               prefix_repetition, random_shared_prefix)
+from prefix_router.tools.replay.workloads import load_mooncake
 
 from . import ROOT
 
 __all__ = ["MODEL", "SHAPES", "DEFAULT_TRACES", "VLLM_BENCH_SHAPES", "VllmBenchShape", "Workload", "chat_mix",
-           "conversations", "generated_shared_prefix", "matrix", "one_system_prompt", "shape_bound", "staggered"]
+           "coding_agents", "conversations", "generated_shared_prefix", "matrix", "one_system_prompt", "shape_bound",
+           "staggered", "vllm_bench_requests"]
 
 MODEL = "sim"  # the simulated replicas' model name
 TRACES = ROOT.parent / "shared" / "traces"
 DEFAULT_TRACES = (TRACES / "mooncake_conversation.jsonl", TRACES / "mooncake_synthetic.jsonl")
-_VOCAB = 32_000  # the Mooncake loader's; token_text takes ids below 2**24
 WORDS = ("request replica cache prefix token block model server client latency queue batch prompt system "
          "user assistant tool result error value config deploy metric trace session agent file line").split()
 
@@ -91,49 +84,6 @@ def chat_mix(size: int, count: int, turns: int = 4, seed: int = 0, window: int =
     return [rounds[t * num + c] for c, t in staggered(num, turns, window)][:count]
 
 
-def _tokens(rng: random.Random, n: int) -> str:
-    return token_text(rng.randrange(100, _VOCAB) for _ in range(n))
-
-
-def generated_shared_prefix(*, groups: int = 64, per_group: int = 16, system_len: int = 2048,
-                            question_len: int = 128, output_len: int = 256, rate: float = 16.0,
-                            seed: int = 0) -> list[ReplayRequest]:
-    """SGLang's generated-shared-prefix workload: ``groups x per_group`` completion requests."""
-    rng = random.Random(seed)
-    prompts = []
-    for g in range(groups):
-        system = _tokens(rng, system_len)
-        prompts += [(g, system + _tokens(rng, question_len)) for _ in range(per_group)]
-    rng.shuffle(prompts)
-    t = 0.0
-    out = []
-    for g, prompt in prompts:
-        t += rng.expovariate(rate)
-        out.append(ReplayRequest(COMPLETIONS, {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True},
-                                 at_s=t, meta={"group": g}))
-    return out
-
-
-def one_system_prompt(*, sessions: int = 2000, system_len: int = 2000, turns: tuple[int, int] = (1, 3),
-                      user_len: tuple[int, int] = (30, 150), output_len: int = 64, rate: float = 8.0,
-                      think_s: float = 2.0, seed: int = 0) -> list[ReplayRequest]:
-    """``sessions`` chat sessions of ``turns`` (inclusive range) turns sharing one system prompt."""
-    rng = random.Random(seed)
-    system = {"role": "system", "content": _tokens(rng, system_len)}
-    out = []
-    t = 0.0
-    for s in range(sessions):
-        t += rng.expovariate(rate)
-        history = [system]
-        for turn in range(rng.randint(*turns)):
-            history = history + [{"role": "user", "content": _tokens(rng, rng.randint(*user_len))}]
-            think = rng.expovariate(1.0 / think_s) if turn else 0.0
-            out.append(ReplayRequest(CHAT, {"messages": history, "max_tokens": output_len, "ignore_eos": True},
-                                     at_s=t, session=f"sys-{s}", turn=turn, think_s=think))
-            history = history + [{"role": "assistant", "content": _tokens(rng, output_len)}]
-    return out
-
-
 @dataclass(frozen=True)
 class VllmBenchShape:
     """One ``vllm bench serve`` workload: dataset flags, endpoint, size and rate (wall requests/s)."""
@@ -169,6 +119,16 @@ def _vllm_shapes(num_prompts: int) -> tuple[VllmBenchShape, ...]:
 
 
 VLLM_BENCH_SHAPES = {"quick": _vllm_shapes(320), "full": _vllm_shapes(640)}
+
+
+def vllm_bench_requests(shape: VllmBenchShape, seed: int = 0) -> list[ReplayRequest]:
+    """``shape``'s prompts as a list of completions (``shapes.prefix_repetition`` or
+    ``random_shared_prefix``), for the fleet simulator, which runs no ``vllm bench serve``."""
+    if shape.dataset == "prefix_repetition":
+        return prefix_repetition(num_prompts=shape.num_prompts, prefixes=shape.prefixes, prefix_len=shape.prefix_len,
+                                 suffix_len=shape.suffix_len, output_len=shape.output_len, rate=shape.rate, seed=seed)
+    return random_shared_prefix(num_prompts=shape.num_prompts, prefix_len=shape.prefix_len, input_len=shape.suffix_len,
+                                output_len=shape.output_len, rate=shape.rate, seed=seed)
 
 
 def shape_bound(shape: VllmBenchShape) -> float:

@@ -50,3 +50,15 @@ def test_first_turns_first_sends_the_same_bodies_with_every_opening_ahead():
     mix, first = chat_mix(1000, 400), chat_mix(1000, 400, first_turns_first=True)
     assert sorted(map(repr, mix)) == sorted(map(repr, first))  # the same bodies
     assert all(len(m) == 2 for m in first[:100]) and all(len(m) > 2 for m in first[100:])
+
+
+
+def test_a_vllm_bench_shape_becomes_the_request_list_of_its_dataset():
+    from bench.workloads import VllmBenchShape, vllm_bench_requests
+
+    rep = vllm_bench_requests(VllmBenchShape("r", "prefix_repetition", False, 50, 4.0, prefixes=5, prefix_len=40,
+                                             suffix_len=10, output_len=3))
+    assert len(rep) == 50 and len({r.body["prompt"][:160] for r in rep}) == 5
+    assert all(len(r.body["prompt"]) == 200 and r.body["max_tokens"] == 3 for r in rep)
+    one = vllm_bench_requests(VllmBenchShape("r", "random", False, 20, 4.0, prefixes=1, prefix_len=40, suffix_len=10))
+    assert len(one) == 20 and len({r.body["prompt"][:160] for r in one}) == 1

@@ -10,7 +10,7 @@ What it models (the traffic a prefix-affinity gateway is for, see ``../shared/no
   trimmed in place to the last few messages every turn (``trimmed``).
 
 Workload names: ``mixed`` (all of the above), ``chat``, ``agent``, ``breakers`` (only the
-cache-breaking clients). Same name and seed, same requests: the generator uses only
+cache-breaking clients), and other projects' traffic shapes by the names of ``shapes.SHAPES``. Same name and seed, same requests: the generator uses only
 ``random.Random(seed)``. Session starts are Poisson at ``rate`` sessions per modelled second;
 think time between turns is exponential with mean ``think_s``.
 """
@@ -21,10 +21,11 @@ import json
 import random
 
 from prefix_router.tools.replay.request import CHAT, ReplayRequest
+from prefix_router.tools.replay.shapes import SHAPES
 
 __all__ = ["builtin_workload", "WORKLOADS"]
 
-WORKLOADS = ("mixed", "chat", "agent", "breakers")
+WORKLOADS = ("mixed", "chat", "agent", "breakers", *SHAPES)
 
 _WORDS = (
     "request replica cache prefix token block model server client latency queue batch prompt "
@@ -94,12 +95,15 @@ def _session(rng: random.Random, sid: str, kind: str, start_s: float, system: st
 
 def builtin_workload(name: str = "mixed", *, seed: int = 0, sessions: int = 48, rate: float = 0.5,
                      think_s: float = 3.0, max_tokens: int = 64) -> list[ReplayRequest]:
-    """Generate the named workload: ``sessions`` sessions starting at ``rate`` per modelled second.
+    """Generate the named workload: ``sessions`` sessions starting at ``rate`` per modelled second
+    (a shape of ``shapes.SHAPES`` with its own defaults and ``seed``, the rest unused).
 
     Raises ValueError for an unknown name (one of ``WORKLOADS``).
     """
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    if name in SHAPES:
+        return SHAPES[name](seed=seed)
     rng = random.Random(seed)
     systems = [_text(rng, rng.randint(600, 1500)) for _ in range(3)]
     tool_sets = [_tools(rng, 8, f"set{i}") for i in range(2)]

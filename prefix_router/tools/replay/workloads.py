@@ -36,6 +36,7 @@ import numpy as np
 
 from prefix_router.tools.replay.generate import builtin_workload
 from prefix_router.tools.replay.request import CHAT, COMPLETIONS, ReplayRequest
+from prefix_router.tools.replay.shapes import token_text
 
 __all__ = ["CHAT", "COMPLETIONS", "ReplayRequest", "load_mooncake", "load_trajectories", "load_request_log",
            "mooncake_block_tokens", "load_workload", "token_text"]
@@ -50,27 +51,6 @@ def mooncake_block_tokens(hash_id: int, block_size: int, vocab_size: int) -> np.
     """
     rng = np.random.default_rng(hash_id)
     return rng.integers(100, vocab_size, size=block_size, dtype=np.int64)
-
-
-_TEXT_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"  # 64 symbols, 6 bits
-
-
-def token_text(token_ids) -> str:
-    """``token_ids`` (each < 2**24) as text, 4 characters from a 64-symbol ASCII alphabet per id.
-
-    Equal ids give equal 4-character groups and different ids different ones, so the byte
-    tokenizer of ``prefix_router/prompts/tokenizer.py`` (4 bytes a token) reads the text back as one token per
-    id with the same equalities: prefix sharing, and so cache hits, are those of the ids.
-    Raises ValueError for an id outside [0, 2**24).
-    """
-    a = _TEXT_ALPHABET
-    out = []
-    for t in token_ids:
-        t = int(t)
-        if not 0 <= t < 1 << 24:
-            raise ValueError(f"token id {t} does not fit 4 characters of 6 bits")
-        out.append(a[t >> 18] + a[(t >> 12) & 63] + a[(t >> 6) & 63] + a[t & 63])
-    return "".join(out)
 
 
 def load_mooncake(path: str | Path, *, block_size: int = 512, vocab_size: int = 32_000,
