@@ -1,5 +1,6 @@
 """Capacity at a latency objective: the highest arrival rate a fleet serves with TTFT p99 at most
-the objective, found by bisection on the trace's rate.
+the objective, found by bisection on the trace's rate; and its converse, the fewest replicas that
+serve a given rate within it, found by bisection on the fleet's size.
 
 Operators ask "how much traffic can these GPUs serve under my objective", not "what hit rate":
 llm-d and KubeAI report their prefix-aware routing that way (TTFT under load on a fixed fleet).
@@ -16,10 +17,11 @@ from prefix_router.prompts.tokenizer import PromptTokenizer
 from prefix_router.tools.fleetsim.run import FleetConfig, simulate
 from prefix_router.tools.replay.request import ReplayRequest
 
-__all__ = ["capacity", "trace_rate"]
+__all__ = ["capacity", "fewest_replicas", "trace_rate"]
 
-_STEPS = 6  # bisection steps once a served and an unserved scale bracket the capacity: 1/64 of the bracket
+_STEPS = 6  # bisection steps once a served and an unserved scale bracket the capacity: a factor of 2**(1/64)
 _WIDEST = 2.0 ** 12  # scales searched: from 1/4096 to 4096 times the trace's own rate
+_CLOSED = 0.9  # a run at twice the rate that takes longer than this share of the last one: a closed loop
 
 
 def trace_rate(requests: Sequence[ReplayRequest]) -> float:
@@ -31,14 +33,23 @@ def trace_rate(requests: Sequence[ReplayRequest]) -> float:
 
 
 def capacity(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig, tokenizer: PromptTokenizer,
-             slo_ttft_p99_s: float, on_run: Callable[[float, dict], None] | None = None) -> dict:
-    """The figures of the fastest served rate found (``simulate``'s, plus ``capacity_rps`` and
-    ``rate_scale``); ``capacity_rps`` 0.0 when even the slowest scale searched misses the
-    objective, None when it met the objective at the fastest (a closed loop: a trace of sessions
-    whose turns wait for their answers loads a fleet no further however fast they start).
-    ``on_run`` is told each scale tried and its figures."""
+             slo_ttft_p99_s: float, on_run: Callable[[float, dict], None] | None = None,
+             steps: int = _STEPS) -> dict:
+    """The figures of the fastest served rate found (``simulate``'s, plus ``capacity_rps``,
+    ``rate_scale`` and ``runs``); ``capacity_rps`` 0.0 when even the slowest scale searched misses
+    the objective, None when it met the objective at the fastest (a closed loop: a trace of
+    sessions whose turns wait for their answers loads a fleet no further however fast they start;
+    seen when doubling the rate no longer shortens the run, or at the fastest scale searched).
+
+    The search starts at ``fleet.rate_scale`` (a good guess saves runs), doubles or halves it
+    until a served and an unserved scale bracket the capacity, then halves the bracket's ratio
+    ``steps`` times (its geometric middle): the capacity found is within a factor of
+    ``2 ** (1 / 2 ** steps)`` below the true one. ``on_run`` is told each scale tried and its figures."""
+    tried = 0
 
     def run(scale: float) -> dict:
+        nonlocal tried
+        tried += 1
         figures = simulate(requests, policy, replace(fleet, rate_scale=scale), tokenizer)
         if on_run is not None:
             on_run(scale, figures)
@@ -63,18 +74,57 @@ def capacity(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig,
         scale = good * 2
         figures = run(scale)
         if served(figures):
+            if figures["duration_s"] > _CLOSED * best["duration_s"]:  # twice the rate, the same run:
+                good, best = scale, figures  # turns that wait for their answers set the pace, not the rate
+                break
             good, best = scale, figures
         else:
             bad = scale
     if good is None:
-        return {**figures, "capacity_rps": 0.0, "rate_scale": bad}
-    for _ in range(_STEPS if bad is not None else 0):
-        scale = (good + bad) / 2
+        return {**figures, "capacity_rps": 0.0, "rate_scale": bad, "runs": tried}
+    for _ in range(steps if bad is not None else 0):
+        scale = (good * bad) ** 0.5
         figures = run(scale)
         if served(figures):
             good, best = scale, figures
         else:
             bad = scale
     if bad is None:  # served at every rate tried: sessions that wait for their answers bound the load
-        return {**best, "capacity_rps": None, "rate_scale": good}
-    return {**best, "capacity_rps": trace_rate(requests) * good, "rate_scale": good}
+        return {**best, "capacity_rps": None, "rate_scale": good, "runs": tried}
+    return {**best, "capacity_rps": trace_rate(requests) * good, "rate_scale": good, "runs": tried}
+
+
+def fewest_replicas(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig, tokenizer: PromptTokenizer,
+                    slo_ttft_p99_s: float, rate_rps: float,
+                    on_run: Callable[[int, dict], None] | None = None) -> dict:
+    """The figures of the smallest fleet of at most ``fleet.replicas`` that serves the trace at
+    ``rate_rps`` requests a second with TTFT p99 within the objective (``simulate``'s, plus
+    ``replicas``, None when even ``fleet.replicas`` misses it, then with that fleet's figures, and
+    ``rate_scale``). Sizes 1, 2, 4, ... are tried until one serves, then the gap to the last that
+    did not is halved to one replica: more replicas serve at least as well, so ~2 log2(N) runs.
+    ``on_run`` is told each size tried and its figures.
+
+    Raises ValueError when ``rate_rps`` is not above 0."""
+    if not rate_rps > 0:
+        raise ValueError(f"rate_rps must be above 0, got {rate_rps}")
+    scale = rate_rps / trace_rate(requests)
+    tried: dict[int, dict] = {}
+
+    def served(n: int) -> bool:
+        tried[n] = simulate(requests, policy, replace(fleet, replicas=n, rate_scale=scale), tokenizer)
+        if on_run is not None:
+            on_run(n, tried[n])
+        return tried[n]["ttft_p99_s"] is not None and tried[n]["ttft_p99_s"] <= slo_ttft_p99_s
+
+    low, high = 0, 1  # the largest size known not to serve, the size tried next
+    while not served(high):
+        if high >= fleet.replicas:
+            return {**tried[high], "replicas": None, "rate_scale": scale}
+        low, high = high, min(2 * high, fleet.replicas)
+    while high - low > 1:  # high serves, low does not
+        mid = (low + high) // 2
+        if served(mid):
+            high = mid
+        else:
+            low = mid
+    return {**tried[high], "replicas": high, "rate_scale": scale}

@@ -1,5 +1,6 @@
 """``prefix-router fleetsim``: a trace through N modelled replicas in virtual time, one run a
-policy, side by side; with ``--slo-ttft-p99``, each policy's capacity at that objective."""
+policy, side by side; with ``--slo-ttft-p99``, each policy's capacity at that objective, or with
+``--target-rate`` too, the fewest replicas that serve that rate within it."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rate-scale", type=float, default=1.0, help="divide trace times and think times by this")
     p.add_argument("--slo-ttft-p99", type=float, default=None, metavar="S",
                    help="find each policy's capacity: the highest rate with TTFT p99 at most S seconds")
+    p.add_argument("--target-rate", type=float, default=None, metavar="RPS",
+                   help="with --slo-ttft-p99: find the fewest replicas (at most --replicas) that serve RPS "
+                        "requests a second within it, instead of the capacity of --replicas")
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks a replica (default: an H100's 28,000)")
     p.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between scrapes of a replica's queue")
@@ -42,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from prefix_router.prompts.tokenizer import load_tokenizer
-    from prefix_router.tools.fleetsim.capacity import capacity
+    from prefix_router.tools.fleetsim.capacity import capacity, fewest_replicas
     from prefix_router.tools.fleetsim.jobs import load_jobs
     from prefix_router.tools.fleetsim.run import FleetConfig, simulate
     from prefix_router.tools.sim.config import SimConfig
@@ -71,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
         if args.slo_ttft_p99 is None:
             with tqdm(total=len(requests), desc=policy, unit="req", leave=False, disable=None) as bar:
                 out[policy] = simulate(requests, policy, fleet, tokenizer, progress=bar.update)
+        elif args.target_rate is not None:
+            with tqdm(desc=f"{policy}: fleet sizes tried", unit="run", leave=False, disable=None) as bar:
+                out[policy] = fewest_replicas(requests, policy, fleet, tokenizer, args.slo_ttft_p99,
+                                              args.target_rate, on_run=lambda n, figures: bar.update(1))
         else:
             with tqdm(desc=f"{policy}: rates tried", unit="run", leave=False, disable=None) as bar:
                 out[policy] = capacity(requests, policy, fleet, tokenizer, args.slo_ttft_p99,
@@ -90,21 +98,25 @@ def _problem(args: argparse.Namespace) -> str | None:
     if not 1 <= args.replicas <= 100_000:
         return "--replicas must be between 1 and 100,000"
     for flag, value, low in (("--rate-scale", args.rate_scale, 1e-6), ("--scrape-interval", args.scrape_interval, 0.001),
-                             ("--slo-ttft-p99", args.slo_ttft_p99, 0.0)):
+                             ("--slo-ttft-p99", args.slo_ttft_p99, 0.0), ("--target-rate", args.target_rate, 0.0)):
         if value is not None and not (math.isfinite(value) and value >= low and value > 0):
             return f"{flag} must be a finite number of at least {low:g}" if low else f"{flag} must be a finite number above 0"
     if args.limit is not None and args.limit < 1:
         return "--limit must be at least 1"
+    if args.target_rate is not None and args.slo_ttft_p99 is None:
+        return "--target-rate needs --slo-ttft-p99: the objective the fleet must meet at that rate"
     return None
 
 
 def _table(out: dict[str, dict], args: argparse.Namespace) -> str:
     """A row a policy; with an objective, its figures are those at the fastest rate it served."""
-    capacity = args.slo_ttft_p99 is not None
+    capacity = args.slo_ttft_p99 is not None and args.target_rate is None
+    sizing = args.target_rate is not None
     refused = any(f["rejected"] for f in out.values())
     head = ["policy", "token hit rate", "busiest / fair", "TTFT p50 (s)", "TTFT p99 (s)", "requests"]
     head += ["refused (too long)"] if refused else []
     head += [f"capacity at TTFT p99 <= {args.slo_ttft_p99:g} s (req/s)"] if capacity else []
+    head += [f"fewest replicas for {args.target_rate:g} req/s at TTFT p99 <= {args.slo_ttft_p99:g} s"] if sizing else []
     rows = [head]
     for policy, f in out.items():
         row = [policy, f"{f['token_hit_rate']:.3f}", f"{f['busiest_over_fair']:.2f}",
@@ -113,11 +125,15 @@ def _table(out: dict[str, dict], args: argparse.Namespace) -> str:
         if capacity:
             row.append("above every rate tried" if f["capacity_rps"] is None else
                        "below every rate tried" if not f["capacity_rps"] else f"{f['capacity_rps']:.2f}")
+        if sizing:
+            row.append(f"more than {args.replicas}" if f["replicas"] is None else str(f["replicas"]))
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     if capacity:
         lines.append("(each row's figures at the fastest rate it served, x rate_scale in the JSON)")
+    if sizing:
+        lines.append("(each row's figures on the fewest replicas found, or on all of them when none served)")
     return "\n".join(lines)
 
 

@@ -4,6 +4,9 @@ little more is not; a closed loop of sessions has no such rate."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
+
+import pytest
 
 from prefix_router.prompts.tokenizer import load_tokenizer
 from prefix_router.tools.fleetsim.capacity import capacity, trace_rate
@@ -48,3 +51,41 @@ def test_a_prompt_too_long_for_any_replica_is_refused_apart_and_leaves_the_capac
     found = capacity(requests, "round-robin", FleetConfig(replicas=2, engine=SimConfig(num_gpu_blocks=4000)), tok,
                      slo_ttft_p99_s=0.5)
     assert found["rejected"] == 1 and found["capacity_rps"]
+
+
+def test_fewer_steps_find_a_capacity_within_their_stated_factor_of_the_finer_search():
+    requests, tok = _open_loop(), load_tokenizer(None)
+    fleet = FleetConfig(replicas=2, engine=SimConfig(num_gpu_blocks=4000))
+    fine = capacity(requests, "round-robin", fleet, tok, slo_ttft_p99_s=0.5, steps=8)
+    coarse = capacity(requests, "round-robin", fleet, tok, slo_ttft_p99_s=0.5, steps=2)
+    assert coarse["runs"] < fine["runs"]
+    assert fine["capacity_rps"] / 2 ** (1 / 4) <= coarse["capacity_rps"] <= fine["capacity_rps"] * 2 ** (1 / 256)
+
+
+def test_a_good_first_guess_takes_fewer_runs_for_the_same_capacity():
+    requests, tok = _open_loop(), load_tokenizer(None)
+    far = capacity(requests, "round-robin", FleetConfig(replicas=2, engine=SimConfig(num_gpu_blocks=4000)), tok,
+                   slo_ttft_p99_s=0.5, steps=3)
+    near = capacity(requests, "round-robin", FleetConfig(replicas=2, engine=SimConfig(num_gpu_blocks=4000),
+                                                         rate_scale=far["rate_scale"]), tok, slo_ttft_p99_s=0.5, steps=3)
+    assert near["runs"] < far["runs"] and near["capacity_rps"] >= far["capacity_rps"]
+
+
+def test_the_fewest_replicas_found_serve_the_rate_and_one_fewer_does_not():
+    from prefix_router.tools.fleetsim.capacity import fewest_replicas
+
+    requests, tok = _open_loop(), load_tokenizer(None)
+    fleet = FleetConfig(replicas=16, engine=SimConfig(num_gpu_blocks=4000))
+    one = capacity(requests, "round-robin", replace(fleet, replicas=1), tok, slo_ttft_p99_s=0.5, steps=3)
+    rate = 3.2 * one["capacity_rps"]  # about what three to four replicas serve
+    sizes = []
+    found = fewest_replicas(requests, "round-robin", fleet, tok, 0.5, rate, on_run=lambda n, f: sizes.append(n))
+    n = found["replicas"]
+    assert 2 <= n <= 8 and found["ttft_p99_s"] <= 0.5
+    fewer = simulate(requests, "round-robin", replace(fleet, replicas=n - 1, rate_scale=found["rate_scale"]), tok)
+    assert fewer["ttft_p99_s"] > 0.5
+    assert len(sizes) <= 2 * 4 + 1  # doubling, then halving the gap: about 2 log2(16) runs
+    too_few = fewest_replicas(requests, "round-robin", replace(fleet, replicas=2), tok, 0.5, rate)
+    assert too_few["replicas"] is None and too_few["ttft_p99_s"] > 0.5
+    with pytest.raises(ValueError):
+        fewest_replicas(requests, "round-robin", fleet, tok, 0.5, 0.0)

@@ -30,6 +30,15 @@ def test_an_objective_adds_each_policys_capacity(tmp_path, capsys):
     assert "capacity_rps" in json.loads(out.read_text())["prefix-router"]
 
 
+def test_a_target_rate_finds_the_fewest_replicas_that_serve_it(tmp_path, capsys):
+    out = tmp_path / "fleet.json"
+    assert main(["fleetsim", "--workload", "sglang-shared-prefix", "--limit", "300", "--replicas", "16",
+                 "--policy", "round-robin", "--slo-ttft-p99", "1", "--target-rate", "40", "--json", str(out)]) == 0
+    assert "fewest replicas for 40 req/s at TTFT p99 <= 1 s" in capsys.readouterr().out
+    found = json.loads(out.read_text())["round-robin"]
+    assert 1 < found["replicas"] <= 16 and found["ttft_p99_s"] <= 1
+
+
 def test_bad_input_is_refused_with_a_message_and_status_2(tmp_path, capsys):
     assert main(["fleetsim", "--replicas", "0"]) == 2
     assert main(["fleetsim", "--replicas", "2", "--trace", str(tmp_path / "missing.jsonl")]) == 2
@@ -51,7 +60,8 @@ def test_a_request_log_without_prompts_names_the_setting_that_writes_them(tmp_pa
 
 @pytest.mark.parametrize("bad", [["--rate-scale", "nan"], ["--rate-scale", "inf"], ["--scrape-interval", "1e-300"],
                                  ["--slo-ttft-p99", "0"], ["--slo-ttft-p99", "nan"], ["--limit", "0"],
-                                 ["--num-gpu-blocks", "1"], ["--replicas", "1000000"], ["--json", "/nonexistent/out.json"]])
+                                 ["--num-gpu-blocks", "1"], ["--replicas", "1000000"], ["--json", "/nonexistent/out.json"],
+                                 ["--target-rate", "5"], ["--slo-ttft-p99", "2", "--target-rate", "-1"]])
 def test_numbers_out_of_range_are_refused_before_anything_runs(bad, capsys):
     args = ["fleetsim", "--workload", "chat", "--replicas", "2", *bad]
     assert main(args) == 2
