@@ -125,3 +125,21 @@ def test_loading_a_tokenizer_turns_its_thread_pool_off_unless_the_operator_chose
         monkeypatch.setenv("TOKENIZERS_PARALLELISM", preset)
     HFTokenizer(str(tokenizer_dir))
     assert os.environ["TOKENIZERS_PARALLELISM"] == (preset or "false")
+
+
+def test_the_byte_tokenizer_reads_four_bytes_a_token_the_last_short_one_padded():
+    """Its definition, one token at a time, against what it computes at once; chat renders too."""
+    import random
+
+    from prefix_router.prompts.tokenizer import ByteTokenizer
+
+    tok, rng = ByteTokenizer(), random.Random(7)
+    texts = ["", "a", "abcd", "abcde", "h\u00e9llo \u2713 \U0001F600", "\udcff lone surrogate"]
+    texts += ["".join(chr(rng.randrange(32, 0x3000)) for _ in range(rng.randrange(120))) for _ in range(200)]
+    for text in texts:
+        data = text.encode("utf-8", "surrogatepass")
+        expected = [int.from_bytes(data[i:i + 4], "little") for i in range(0, len(data), 4)]
+        assert tok.encode(text) == expected and all(type(t) is int for t in tok.encode(text))
+    messages = [{"role": "system", "content": texts[10]}, {"role": "user", "content": texts[11]}]
+    rendered = tok.render_chat(messages)
+    assert list(tok.render_chat_tokens(messages).ids) == rendered
