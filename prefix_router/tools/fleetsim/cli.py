@@ -34,6 +34,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks a replica (default: an H100's 28,000)")
     p.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between scrapes of a replica's queue")
+    p.add_argument("--gateways", type=int, default=1,
+                   help="gateway instances in front, each request to the next (default 1)")
+    p.add_argument("--kv-events-delay", type=float, default=None, metavar="S",
+                   help="route on the engines' KV events, each step's reaching the gateways S seconds late "
+                        "(default: on the gateways' own guesses, as without kv_events)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder for chats and text (default: built-in bytes)")
     p.add_argument("--seed", type=int, default=0, help="seeds the built-in workload and the generated tokens")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures here, an object keyed by policy")
@@ -69,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"prefix-router fleetsim: {exc}", file=sys.stderr)
         return 2
     fleet = FleetConfig(replicas=args.replicas, engine=engine, rate_scale=args.rate_scale,
-                        scrape_interval_s=args.scrape_interval)
+                        scrape_interval_s=args.scrape_interval, gateways=args.gateways,
+                        kv_events_delay_s=args.kv_events_delay)
     out: dict[str, dict] = {}
     for policy in args.policy or POLICIES:
         if args.slo_ttft_p99 is None:
@@ -103,6 +109,10 @@ def _problem(args: argparse.Namespace) -> str | None:
             return f"{flag} must be a finite number of at least {low:g}" if low else f"{flag} must be a finite number above 0"
     if args.limit is not None and args.limit < 1:
         return "--limit must be at least 1"
+    if not 1 <= args.gateways <= 256:
+        return "--gateways must be between 1 and 256"
+    if args.kv_events_delay is not None and not (math.isfinite(args.kv_events_delay) and args.kv_events_delay >= 0):
+        return "--kv-events-delay must be a finite number of seconds, 0 or more"
     if args.target_rate is not None and args.slo_ttft_p99 is None:
         return "--target-rate needs --slo-ttft-p99: the objective the fleet must meet at that rate"
     return None

@@ -6,7 +6,9 @@ Only the clock is the simulator's. The policies are the ones that ship (``routin
 ``PrefixDemand``. What ``serve/forward.py``'s ``InFlight`` counts when a request is sent, when its
 first token comes and when it ends, and what ``serve/learning.py`` adds to the shadow index
 afterwards, is counted here at the simulator's times; a scrape sets a replica's queue as
-``fleet/replicas.apply_metrics`` does from ``/metrics``.
+``fleet/replicas.apply_metrics`` does from ``/metrics``. With ``kv_events``, routing reads each
+replica's ``EngineView``, fed by its engine's events (``events.py``), where a prompt is cut into
+token blocks, as ``ReplicaState.cache_index`` reads a fresh stream's view.
 
 The peers' policies it plays beside this gateway's are in ``peers.py``.
 """
@@ -17,6 +19,8 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from prefix_router.cache.engine_map import EngineMap
+from prefix_router.cache.engine_view import EngineView
 from prefix_router.cache.shadow import ShadowIndex
 from prefix_router.cache.tree import BlockTree
 from prefix_router.config import ReplicaConfig, RoutingConfig
@@ -27,6 +31,7 @@ from prefix_router.routing.decision import Decision
 from prefix_router.routing.policy import make_policy
 from prefix_router.routing.prefix_stats import BranchStats, PrefixDemand
 from prefix_router.routing.ring import Ring
+from prefix_router.tools.fleetsim.events import EventFeed
 from prefix_router.tools.fleetsim.peers import CacheAwarePolicy, ConsistentHashPolicy, SessionHashPolicy
 
 __all__ = ["POLICIES", "Sent", "SimRouter"]
@@ -53,14 +58,17 @@ class Sent:
     decision: Decision
     prefill: int
     epoch: int
+    view: EngineView | None = None  # the engine's view told of its blocks (``note_routed``), if routed by one
 
 
 class SimRouter:
     """One gateway instance in front of ``names``, each replica holding ``capacity`` blocks of
-    ``block_size`` tokens. ``policy``: one of ``POLICIES``. Times are the simulator's seconds."""
+    ``block_size`` tokens. ``policy``: one of ``POLICIES``. ``kv_events``: this instance follows
+    each replica's KV events (``feeds``, given them by the simulator). Times are the simulator's
+    seconds."""
 
     def __init__(self, names: Sequence[str], policy: str, *, block_size: int, capacity: int,
-                 routing: RoutingConfig | None = None) -> None:
+                 routing: RoutingConfig | None = None, kv_events: bool = False) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
         self.routing = routing or RoutingConfig()
@@ -84,11 +92,15 @@ class SimRouter:
             config = replace(self.routing, policy=_CONFIG_NAMES[policy])
             self.policy = make_policy(config, self.ring, self.branches, self.demand)
         self.sent_to: dict[str, int] = dict.fromkeys(names, 0)
+        holders = EngineMap() if kv_events else None
+        self.feeds = {n: EventFeed(block_size, capacity, holders) for n in names} if kv_events else {}
 
     def send(self, info: PromptInfo, session: str | None, now: float) -> Sent:
         """Choose a replica for the request (``proxy.choose``) and count it there (``InFlight.acquire``)."""
         half_life = self.routing.share_half_life_s
-        views = {n: ReplicaView(n, r.routing_load, r.shadow, r.recent_share(now, half_life), r.prefill_blocks)
+        feeds = self.feeds if info.exact else {}
+        views = {n: ReplicaView(n, r.routing_load, feeds[n].view if n in feeds else r.shadow,
+                                r.recent_share(now, half_life), r.prefill_blocks, n in feeds)
                  for n, r in self.replicas.items()}
         cap = max((info.num_units - 1) // self.block_size, 0)
         decision = self.policy.select(info.hashes, info.full_hash, views, session, cap, info.first_turn)
@@ -102,7 +114,10 @@ class SimRouter:
         r.prefill_blocks += prefill
         r.shadow.insert(info.hashes)
         self.sent_to[r.name] += 1
-        return Sent(r, info, decision, prefill, r.scrape_epoch)
+        view = feeds[r.name].view if r.name in feeds else None
+        if view is not None:
+            view.note_routed(info.hashes)
+        return Sent(r, info, decision, prefill, r.scrape_epoch, view)
 
     @staticmethod
     def first_token(sent: Sent) -> None:
@@ -110,10 +125,12 @@ class SimRouter:
         sent.replica.prefill_blocks -= sent.prefill
         sent.prefill = 0
 
-    def finished(self, sent: Sent, completion_tokens: int) -> None:
+    def finished(self, sent: Sent, completion_tokens: int, now: float) -> None:
         """It ended, served (``InFlight.release``), and its output's blocks join the shadow index
         (``learning.learn``)."""
         r = sent.replica
+        if sent.view is not None:
+            sent.view.release_routed(sent.info.hashes, now, served=True)
         if r.scrape_epoch == sent.epoch:
             r.sent_since_scrape = max(r.sent_since_scrape - 1, 0)
         r.inflight -= 1

@@ -7,7 +7,10 @@ engine model (``tools/sim/scheduler.py``: vLLM's scheduler, prefix cache and evi
 ``tools/sim/config.py``: H100 timing), stepped by events instead of the wall clock: a step starts
 when one ends or a request arrives at an idle replica, and takes ``SimConfig.step_seconds``. A
 session's next turn is sent its think time after the previous one ended, as ``prefix-router
-replay`` sends it; a request without a session at its trace time over ``rate_scale``.
+replay`` sends it; a request without a session at its trace time over ``rate_scale``. With
+``kv_events_delay_s``, each step's KV events reach every gateway instance that much later
+(``events.py``); with ``gateways`` above 1, requests go to the instances in turn, each counting
+only its own in flight, as behind a Service that spreads connections.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from prefix_router.prompts.tokenizer import PromptTokenizer
+from prefix_router.tools.fleetsim.events import publish
 from prefix_router.tools.fleetsim.jobs import new_blocks, prompt_of
 from prefix_router.tools.fleetsim.router import Sent, SimRouter
 from prefix_router.tools.replay.request import CHAT, ReplayRequest
@@ -30,7 +34,7 @@ from prefix_router.tools.sim.scheduler import Scheduler, SimRequest, Step
 
 __all__ = ["FleetConfig", "simulate"]
 
-_ARRIVE, _STEP, _SCRAPE, _RUN = 0, 1, 2, 3
+_ARRIVE, _STEP, _SCRAPE, _RUN, _EVENTS = 0, 1, 2, 3, 4
 _LONGEST_RUN = 4096  # decode-only steps applied at once at most
 _MODEL = ""  # the bodies name none: the engine's first block is seeded as the gateway's is
 
@@ -38,7 +42,9 @@ _MODEL = ""  # the bodies name none: the engine's first block is seeded as the g
 @dataclass(frozen=True, kw_only=True)
 class FleetConfig:
     """One simulated fleet: ``replicas`` engines of ``engine``, scraped every ``scrape_interval_s``
-    (the gateway's ``scrape.interval_s``), a request's trace time divided by ``rate_scale``."""
+    (the gateway's ``scrape.interval_s``), a request's trace time divided by ``rate_scale``;
+    ``gateways`` instances in front, following the engines' KV events ``kv_events_delay_s`` late
+    (None: routing on their own guesses, the shadow indexes)."""
 
     replicas: int
     engine: SimConfig = field(default_factory=SimConfig)
@@ -47,18 +53,21 @@ class FleetConfig:
     char_block_size: int = 64
     default_max_tokens: int = 64
     decode_runs: bool = True  # apply runs of decode-only steps at once (``Scheduler.decode``): the same run, faster
+    gateways: int = 1
+    kv_events_delay_s: float | None = None
 
 
 class _Replica:
-    __slots__ = ("name", "scheduler", "step", "run", "runs", "state")
+    __slots__ = ("name", "scheduler", "step", "run", "runs", "states")
 
-    def __init__(self, name: str, engine: SimConfig, state) -> None:
+    def __init__(self, name: str, engine: SimConfig, states: list, kv_events: bool) -> None:
         self.name = name
         self.scheduler = Scheduler(engine, vocab_size=1 << 17)
         self.step: Step | None = None  # the step running, if any
         self.run: list[float] | None = None  # or the end times of the decode-only steps running at once
         self.runs = 0  # runs started: an event of a run cut short is one of an earlier number
-        self.state = state  # the gateway's ReplicaState of it
+        self.states = states  # each gateway instance's ReplicaState of it
+        self.scheduler.kv.record_events = kv_events
 
     @property
     def busy(self) -> bool:
@@ -93,8 +102,10 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
     # leave a request no replica can ever schedule
     engine = replace(engine, max_model_len=min(engine.max_model_len, (engine.num_gpu_blocks - 1) * block_size))
     names = [f"replica-{i}" for i in range(fleet.replicas)]
-    router = SimRouter(names, policy, block_size=block_size, capacity=engine.num_gpu_blocks)
-    replicas = {n: _Replica(n, engine, router.replicas[n]) for n in names}
+    events = fleet.kv_events_delay_s is not None
+    routers = [SimRouter(names, policy, block_size=block_size, capacity=engine.num_gpu_blocks, kv_events=events)
+               for _ in range(fleet.gateways)]
+    replicas = {n: _Replica(n, engine, [r.replicas[n] for r in routers], events) for n in names}
     heap: list = []
     order = itertools.count()
 
@@ -116,7 +127,7 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
 
     blocks = new_blocks()
     paused: dict[str, float] = {}  # replica -> its last scrape's time, for those idle since
-    inflight: dict[SimRequest, tuple[int, Sent, float]] = {}
+    inflight: dict[SimRequest, tuple[int, Sent, float, SimRouter]] = {}
     ttfts: list[float] = []
     done = rejected = 0
     now = 0.0
@@ -151,6 +162,7 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
             rejected += 1
             follow(i, t)
             return
+        router = routers[i % len(routers)]
         sent = router.send(info, request.session, t)
         replica = replicas[sent.replica.name]
         if replica.name in paused:  # its scrapes resume, at their times, from the next one
@@ -160,7 +172,7 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
         job = SimRequest(str(i), ids, max(max_tokens, 1), model=_MODEL, arrival_s=t)
         if info.exact and request.path != CHAT and not isinstance(request.body.get("prompt"), str):
             job.block_hashes = list(info.hashes)  # the gateway hashed these very ids, as the engine would
-        inflight[job] = (i, sent, t)
+        inflight[job] = (i, sent, t, router)
         if replica.run is not None:  # the run ends with the step under way: the request waits for the next
             ends = replica.run
             m = min(bisect.bisect_right(ends, t) + 1, len(ends))
@@ -181,21 +193,27 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
         for job in replica.scheduler.finish_step(replica.step, t):
             if job.num_output_tokens == 1:
                 ttfts.append(t - inflight[job][2])
-                router.first_token(inflight[job][1])
+                SimRouter.first_token(inflight[job][1])
             if job.finish_reason is not None:
                 ended(replica, job, t)
+        published(replica, t)
         start(replica, t)
 
     def run_ended(replica: _Replica, t: float) -> None:
         ends, replica.run = replica.run, None
         for job in replica.scheduler.decode(len(ends), t):
             ended(replica, job, t)
+        published(replica, t)
         start(replica, t)
+
+    def published(replica: _Replica, t: float) -> None:  # the step's events, and its scheduling's before it
+        if events and (batch := replica.scheduler.kv.take_events()):
+            push(t + fleet.kv_events_delay_s, _EVENTS, (replica.name, publish(batch, t)))
 
     def ended(replica: _Replica, job: SimRequest, t: float) -> None:
         nonlocal done
-        i, sent, sent_at = inflight.pop(job)
-        router.finished(sent, job.num_output_tokens)
+        i, sent, sent_at, router = inflight.pop(job)
+        router.finished(sent, job.num_output_tokens, t)
         done += 1
         if records is not None:
             records.append({"request": i, "replica": replica.name, "sent_s": sent_at,
@@ -215,21 +233,26 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
         elif kind == _RUN:
             if payload[1] == replicas[payload[0]].runs:
                 run_ended(replicas[payload[0]], now)
+        elif kind == _EVENTS:
+            for router in routers:
+                router.feeds[payload[0]].receive(payload[1])
         elif inflight or arrivals:
             replica = replicas[payload]
-            state, scheduler = replica.state, replica.scheduler
-            router.scraped(state, len(scheduler.waiting), len(scheduler.running))
-            if state.inflight or scheduler.has_work:
+            scheduler = replica.scheduler
+            for state in replica.states:
+                SimRouter.scraped(state, len(scheduler.waiting), len(scheduler.running))
+            if any(state.inflight for state in replica.states) or scheduler.has_work:
                 push(now + fleet.scrape_interval_s, _SCRAPE, payload)
             else:  # idle: its next scrapes would read what this one read, until a request is sent to it
                 paused[payload] = now
-    return _figures(replicas, router, ttfts, done, rejected, now)
+    return _figures(replicas, routers, ttfts, done, rejected, now)
 
 
-def _figures(replicas: dict, router: SimRouter, ttfts: list[float], done: int, rejected: int, end: float) -> dict:
+def _figures(replicas: dict, routers: list[SimRouter], ttfts: list[float], done: int, rejected: int,
+             end: float) -> dict:
     queries = sum(r.scheduler.kv.num_queries for r in replicas.values())
     hits = sum(r.scheduler.kv.num_hits for r in replicas.values())
-    sent = router.sent_to.values()
+    sent = [sum(router.sent_to[n] for router in routers) for n in replicas]
     fair = sum(sent) / len(replicas) if replicas else 0.0
     return {"token_hit_rate": hits / queries if queries else 0.0,
             "busiest_over_fair": max(sent) / fair if fair else 0.0,

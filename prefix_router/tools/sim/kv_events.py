@@ -21,7 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "EventPublisher"]
+__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "EventPublisher", "encode_batch"]
 
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -70,6 +70,15 @@ class AllBlocksCleared(_KVCacheEvent):
     """The prefix cache was reset."""
 
 
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode_batch(events: list, ts: float, data_parallel_rank: int | None = 0) -> bytes:
+    """One step's events as the payload vLLM's ``ZmqEventPublisher`` sends (``KVEventBatch``,
+    msgpack, an array of ts, events, rank)."""
+    return _ENCODER.encode(_EventBatch(ts, events, data_parallel_rank))
+
+
 class EventPublisher:
     """PUB on ``endpoint`` and ROUTER on ``replay_endpoint`` (both bound: ``tcp://*:5557``),
     keeping the last ``buffer_steps`` batches for replay. Start ``serve_replay`` as a task."""
@@ -89,7 +98,6 @@ class EventPublisher:
         self._topic = topic.encode()
         self._rank = data_parallel_rank
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._encoder = msgspec.msgpack.Encoder()
         self._seq = 0
 
     @property
@@ -101,7 +109,7 @@ class EventPublisher:
 
     def publish(self, events: list) -> None:
         """Send one batch of events (never blocks: a PUB socket drops past its high-water mark)."""
-        payload = self._encoder.encode(_EventBatch(time.time(), events, self._rank))
+        payload = encode_batch(events, time.time(), self._rank)
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))

@@ -39,6 +39,13 @@ def test_a_target_rate_finds_the_fewest_replicas_that_serve_it(tmp_path, capsys)
     assert 1 < found["replicas"] <= 16 and found["ttft_p99_s"] <= 1
 
 
+def test_gateway_instances_following_kv_events_are_one_flag_each(tmp_path, capsys):
+    out = tmp_path / "fleet.json"
+    assert main(["fleetsim", "--workload", "chat", "--limit", "30", "--replicas", "3", "--policy", "prefix-router",
+                 "--gateways", "2", "--kv-events-delay", "0.1", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["prefix-router"]["requests"] == 30
+
+
 def test_bad_input_is_refused_with_a_message_and_status_2(tmp_path, capsys):
     assert main(["fleetsim", "--replicas", "0"]) == 2
     assert main(["fleetsim", "--replicas", "2", "--trace", str(tmp_path / "missing.jsonl")]) == 2
@@ -61,7 +68,8 @@ def test_a_request_log_without_prompts_names_the_setting_that_writes_them(tmp_pa
 @pytest.mark.parametrize("bad", [["--rate-scale", "nan"], ["--rate-scale", "inf"], ["--scrape-interval", "1e-300"],
                                  ["--slo-ttft-p99", "0"], ["--slo-ttft-p99", "nan"], ["--limit", "0"],
                                  ["--num-gpu-blocks", "1"], ["--replicas", "1000000"], ["--json", "/nonexistent/out.json"],
-                                 ["--target-rate", "5"], ["--slo-ttft-p99", "2", "--target-rate", "-1"]])
+                                 ["--target-rate", "5"], ["--slo-ttft-p99", "2", "--target-rate", "-1"],
+                                 ["--gateways", "0"], ["--kv-events-delay", "-1"], ["--kv-events-delay", "nan"]])
 def test_numbers_out_of_range_are_refused_before_anything_runs(bad, capsys):
     args = ["fleetsim", "--workload", "chat", "--replicas", "2", *bad]
     assert main(args) == 2

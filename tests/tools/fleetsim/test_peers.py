@@ -17,7 +17,7 @@ def test_consistent_hashing_sends_one_prefix_to_one_replica_until_the_load_bound
     router = SimRouter(names, "consistent-hash", block_size=BLOCK, capacity=500)
     shared = [rng.randrange(300, 30_000) for _ in range(20 * BLOCK)]  # every request's first 256 tokens alike
     first = router.send(_info(rng, shared), None, 0.0)
-    router.finished(first, 1)
+    router.finished(first, 1, 0.0)
     held = []
     for t in range(40):
         s = router.send(_info(rng, shared), None, float(t))
@@ -71,9 +71,9 @@ def test_cache_aware_trees_never_learn_of_the_engines_evictions():
     router = _cache_aware(n=2)
     shared = [rng.randrange(300, 30_000) for _ in range(8 * BLOCK)]
     first = router.send(_info(rng, shared, 1), None, 0.0)
-    router.finished(first, 1)
+    router.finished(first, 1, 0.0)
     for t in range(400):  # 2,000 blocks, four times what the two replicas hold, to the smallest trees
-        router.finished(router.send(_info(rng, [], 5), None, float(t)), 1)
+        router.finished(router.send(_info(rng, [], 5), None, float(t)), 1, float(t))
     assert first.replica.shadow.match(first.info.hashes) == 0  # the gateway's own guess evicted it
     assert router.send(_info(rng, shared, 1), None, 500.0).replica is first.replica  # SGLang's tree did not
 

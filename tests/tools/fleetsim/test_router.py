@@ -37,7 +37,7 @@ def test_what_a_request_counts_on_its_replica_is_taken_back_when_it_ends(policy)
             router.scraped(r, 1, r.inflight)
     assert sum(r.inflight for r in router.replicas.values()) == 60
     for s in sent:
-        router.finished(s, 40)
+        router.finished(s, 40, 60.0)
     for r in router.replicas.values():
         assert (r.inflight, r.prefill_blocks, r.sent_since_scrape) == (0, 0, 0)
     assert sum(router.sent_to.values()) == 60

@@ -127,3 +127,25 @@ class _Watch:
     def __getattr__(self, name):
         self.log.append(__import__("gc").isenabled())
         return getattr(self.inner, name)
+
+
+def test_instances_that_follow_kv_events_route_as_one_and_instances_on_their_own_guesses_do_not():
+    """Four gateway instances, each request to the next: each instance's own guess knows a quarter
+    of what was sent, the engines' events tell each of them everything."""
+    from prefix_router.tools.replay.shapes import coding_agents
+
+    agents, tok = coding_agents(sessions=24, system_len=1000, tool_len=(300, 800)), load_tokenizer(None)
+
+    def hit(**kw) -> float:
+        return simulate(agents, "prefix-router", FleetConfig(replicas=4, rate_scale=4, **kw), tok)["token_hit_rate"]
+
+    one = hit()
+    assert hit(gateways=4, kv_events_delay_s=0.05) >= one - 0.02
+    assert hit(gateways=4) < one - 0.05
+
+
+def test_events_late_by_a_delay_still_give_one_run_for_one_seed(mixed):
+    tok = load_tokenizer(None)
+    fleet = FleetConfig(replicas=4, engine=SMALL, gateways=2, kv_events_delay_s=0.5)
+    first, second = (simulate(mixed, "prefix-router", fleet, tok) for _ in range(2))
+    assert first == second and first["requests"] == len(mixed)
