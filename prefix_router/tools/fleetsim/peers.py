@@ -21,6 +21,13 @@ The tree inserts the prompt for the worker chosen either way. Defaults: ``sglang
 prompt's blocks, and a match's share of the prompt is in blocks (the trees split a prompt at
 the same places only when the text of a block is the same, which the gateway's chained hashes
 require too).
+
+``KvCostPolicy``: NVIDIA Dynamo's KV router (its KV cache routing guide, "Cost
+Calculation"): the worker of least ``overlap_score_weight x prefill blocks + decode blocks``, the
+prefill blocks those queued on it plus this prompt's blocks it does not hold, the decode blocks
+those of the requests active on it plus this one's; ``overlap_score_weight`` 1 and temperature 0
+(the least cost, no sampling) by default. It is the cost model the issue behind the fleet
+simulator asked to weigh against this gateway's bounds: one knob.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from prefix_router.routing.bounds import ReplicaView
 from prefix_router.routing.decision import Decision, Route
 from prefix_router.routing.ring import Ring
 
-__all__ = ["CacheAwarePolicy", "ConsistentHashPolicy", "SessionHashPolicy"]
+__all__ = ["CacheAwarePolicy", "ConsistentHashPolicy", "KvCostPolicy", "SessionHashPolicy"]
 
 CHARS_PER_TOKEN = 4  # English text in a Llama-3 tokenizer, about: SGLang's cap counts characters
 
@@ -133,6 +140,33 @@ class CacheAwarePolicy:
             return tied[0]
         key = hashes[min(depth, len(hashes) - 1)]
         return min(tied, key=lambda n: xxhash.xxh3_64_intdigest(f"{key}/{n}".encode()))
+
+
+class KvCostPolicy:
+    """Dynamo's KV router (module docstring). ``active``: blocks of the requests in flight on each
+    replica (the router's, kept by whoever sends), read at each choice; ``weight``:
+    ``overlap_score_weight``. Equal costs go to the replica the prompt's hash orders first."""
+
+    def __init__(self, active: Mapping[str, int], weight: float = 1.0) -> None:
+        self.active = active
+        self.weight = weight
+
+    def select(self, hashes: Sequence[BlockHash], full_hash: int, replicas: Mapping[str, ReplicaView],
+               session_key: str | None = None, max_hit_blocks: int | None = None,
+               first_turn: bool | None = None) -> Decision:
+        if not replicas:
+            raise LookupError("no healthy replica")
+        cap = len(hashes) if max_hit_blocks is None else max_hit_blocks
+        matches = match_all(hashes, {n: v.shadow for n, v in replicas.items()}, cap)
+        blocks = len(hashes)
+
+        def cost(name: str) -> tuple[float, int]:
+            prefill = replicas[name].prefill + blocks - matches[name]
+            tie = xxhash.xxh3_64_intdigest(f"{full_hash}/{name}".encode())
+            return self.weight * prefill + self.active.get(name, 0) + blocks, tie
+
+        chosen = min(replicas, key=cost)
+        return _decision(chosen, chosen, hashes, replicas, max_hit_blocks, "")
 
 
 def _decision(chosen: str, first: str, hashes: Sequence[BlockHash], replicas: Mapping[str, ReplicaView],

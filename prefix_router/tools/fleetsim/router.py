@@ -32,13 +32,13 @@ from prefix_router.routing.policy import make_policy
 from prefix_router.routing.prefix_stats import BranchStats, PrefixDemand
 from prefix_router.routing.ring import Ring
 from prefix_router.tools.fleetsim.events import EventFeed
-from prefix_router.tools.fleetsim.peers import CacheAwarePolicy, ConsistentHashPolicy, SessionHashPolicy
+from prefix_router.tools.fleetsim.peers import CacheAwarePolicy, ConsistentHashPolicy, KvCostPolicy, SessionHashPolicy
 
 __all__ = ["POLICIES", "Sent", "SimRouter"]
 
 # the policies ``prefix-router fleetsim`` compares, by the name its ``--policy`` takes
 POLICIES = ("prefix-router", "round-robin", "least-loaded", "consistent-hash", "vllm-router-consistent-hash",
-            "sglang-cache-aware")
+            "sglang-cache-aware", "dynamo-kv")
 _CONFIG_NAMES = {"prefix-router": "prefix-affinity", "round-robin": "round-robin", "least-loaded": "least-loaded"}
 
 
@@ -69,6 +69,7 @@ class SimRouter:
 
     def __init__(self, names: Sequence[str], policy: str, *, block_size: int, capacity: int,
                  routing: RoutingConfig | None = None, kv_events: bool = False) -> None:
+        self.active: dict[str, int] = dict.fromkeys(names, 0)  # blocks of the requests in flight on each
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
         self.routing = routing or RoutingConfig()
@@ -88,6 +89,8 @@ class SimRouter:
             self.policy = SessionHashPolicy(self.ring)
         elif policy == "sglang-cache-aware":
             self.policy = CacheAwarePolicy(self.replicas, block_size)
+        elif policy == "dynamo-kv":
+            self.policy = KvCostPolicy(self.active)
         else:
             config = replace(self.routing, policy=_CONFIG_NAMES[policy])
             self.policy = make_policy(config, self.ring, self.branches, self.demand)
@@ -114,6 +117,7 @@ class SimRouter:
         r.prefill_blocks += prefill
         r.shadow.insert(info.hashes)
         self.sent_to[r.name] += 1
+        self.active[r.name] += len(info.hashes)
         view = feeds[r.name].view if r.name in feeds else None
         if view is not None:
             view.note_routed(info.hashes)
@@ -129,6 +133,7 @@ class SimRouter:
         """It ended, served (``InFlight.release``), and its output's blocks join the shadow index
         (``learning.learn``)."""
         r = sent.replica
+        self.active[r.name] -= len(sent.info.hashes)
         if sent.view is not None:
             sent.view.release_routed(sent.info.hashes, now, served=True)
         if r.scrape_epoch == sent.epoch:

@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from prefix_router.config import RoutingConfig
 from prefix_router.prompts.tokenizer import PromptTokenizer
 from prefix_router.tools.fleetsim.events import publish
 from prefix_router.tools.fleetsim.jobs import new_blocks, prompt_of
@@ -55,6 +56,7 @@ class FleetConfig:
     decode_runs: bool = True  # apply runs of decode-only steps at once (``Scheduler.decode``): the same run, faster
     gateways: int = 1
     kv_events_delay_s: float | None = None
+    routing: RoutingConfig | None = None  # this gateway's rule and knobs (serve's ``routing``); None: the defaults
 
 
 class _Replica:
@@ -103,8 +105,8 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
     engine = replace(engine, max_model_len=min(engine.max_model_len, (engine.num_gpu_blocks - 1) * block_size))
     names = [f"replica-{i}" for i in range(fleet.replicas)]
     events = fleet.kv_events_delay_s is not None
-    routers = [SimRouter(names, policy, block_size=block_size, capacity=engine.num_gpu_blocks, kv_events=events)
-               for _ in range(fleet.gateways)]
+    routers = [SimRouter(names, policy, block_size=block_size, capacity=engine.num_gpu_blocks, kv_events=events,
+                         routing=fleet.routing) for _ in range(fleet.gateways)]
     replicas = {n: _Replica(n, engine, [r.replicas[n] for r in routers], events) for n in names}
     heap: list = []
     order = itertools.count()

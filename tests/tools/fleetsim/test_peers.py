@@ -99,3 +99,18 @@ def test_vllm_routers_consistent_hash_keeps_a_session_on_one_replica_and_scatter
     assert len(session) == 1 and router.replicas[session.pop()].inflight == 12  # no load bound
     alone = {router.send(_info(rng, shared), None, float(t)).replica.name for t in range(40)}
     assert len(alone) >= 5  # one shared prefix, yet placed by the whole prompt's hash
+
+
+def test_dynamos_cost_goes_to_the_holder_until_its_queue_costs_more_than_the_blocks_it_saves():
+    rng = random.Random(9)
+    router = SimRouter([f"r{i}" for i in range(4)], "dynamo-kv", block_size=BLOCK, capacity=5000)
+    shared = [rng.randrange(300, 30_000) for _ in range(40 * BLOCK)]  # 40 blocks, then one of each prompt's own
+    first = router.send(_info(rng, shared, 1), None, 0.0)
+    router.first_token(first)
+    router.finished(first, 1, 0.1)
+    holder = first.replica.name
+    assert router.active[holder] == 0 and router.send(_info(rng, shared, 1), None, 1.0).replica.name == holder
+    # one request of 41 blocks active on the holder: there, at least 1 x (0 + 41 - 40) + 41 + 41 = 83;
+    # anywhere else 1 x 41 + 0 + 41 = 82: a request in flight outweighs 40 blocks held, and it moves
+    assert router.send(_info(rng, shared, 1), None, 2.0).replica.name != holder
+    assert router.policy.weight == 1.0
