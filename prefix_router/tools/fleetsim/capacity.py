@@ -20,7 +20,9 @@ from prefix_router.tools.replay.request import ReplayRequest
 __all__ = ["capacity", "fewest_replicas", "trace_rate"]
 
 _STEPS = 6  # bisection steps once a served and an unserved scale bracket the capacity: a factor of 2**(1/64)
-_WIDEST = 2.0 ** 12  # scales searched: from 1/4096 to 4096 times the trace's own rate
+_WIDEST = 2.0 ** 12  # scales searched: from 1/4096 to 4096 times the first one tried
+_SCALES = (1e-6, 1e6)  # rate scales a target rate may ask for: past them a trace's times lose their precision
+_OFFERED = 0.9  # a fleet serves a target rate only if the trace's requests came at this share of it at least
 _CLOSED = 0.9  # a run at twice the rate that takes longer than this share of the last one: a closed loop
 
 
@@ -59,18 +61,18 @@ def capacity(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig,
         p99 = figures["ttft_p99_s"]
         return p99 is not None and p99 <= slo_ttft_p99_s
 
-    scale = fleet.rate_scale
+    scale = start = fleet.rate_scale
     figures = run(scale)
     good, bad = (scale, None) if served(figures) else (None, scale)
     best = figures if good is not None else None
-    while good is None and bad > 1 / _WIDEST:
+    while good is None and bad > start / _WIDEST:
         scale = bad / 2
         figures = run(scale)
         if served(figures):
             good, best = scale, figures
         else:
             bad = scale
-    while bad is None and good < _WIDEST:
+    while bad is None and good < start * _WIDEST:
         scale = good * 2
         figures = run(scale)
         if served(figures):
@@ -102,19 +104,28 @@ def fewest_replicas(requests: Sequence[ReplayRequest], policy: str, fleet: Fleet
     ``replicas``, None when even ``fleet.replicas`` misses it, then with that fleet's figures, and
     ``rate_scale``). Sizes 1, 2, 4, ... are tried until one serves, then the gap to the last that
     did not is halved to one replica: more replicas serve at least as well, so ~2 log2(N) runs.
-    ``on_run`` is told each size tried and its figures.
+    A fleet serves the rate when TTFT p99 is within the objective and the requests came at 0.9 of
+    the rate at least (``offered_rps``): sessions that wait for their answers, or prompts no
+    replica takes, can hold a trace below the rate asked. ``on_run`` is told each size tried and
+    its figures.
 
-    Raises ValueError when ``rate_rps`` is not above 0."""
+    Raises ValueError when ``rate_rps`` is not above 0, or asks for the trace's times scaled by
+    less than 1e-6 or more than 1e6."""
     if not rate_rps > 0:
         raise ValueError(f"rate_rps must be above 0, got {rate_rps}")
     scale = rate_rps / trace_rate(requests)
+    if not _SCALES[0] <= scale <= _SCALES[1]:
+        raise ValueError(f"the trace comes at {trace_rate(requests):.4g} requests/s: a target rate must be within "
+                         f"{_SCALES[0]:g} and {_SCALES[1]:g} times that")
     tried: dict[int, dict] = {}
 
     def served(n: int) -> bool:
         tried[n] = simulate(requests, policy, replace(fleet, replicas=n, rate_scale=scale), tokenizer)
         if on_run is not None:
             on_run(n, tried[n])
-        return tried[n]["ttft_p99_s"] is not None and tried[n]["ttft_p99_s"] <= slo_ttft_p99_s
+        f = tried[n]
+        carried = f["offered_rps"] is None or f["offered_rps"] >= _OFFERED * rate_rps
+        return carried and f["ttft_p99_s"] is not None and f["ttft_p99_s"] <= slo_ttft_p99_s
 
     low, high = 0, 1  # the largest size known not to serve, the size tried next
     while not served(high):

@@ -83,17 +83,25 @@ def run(args: argparse.Namespace) -> int:
                 out[policy] = simulate(requests, policy, fleet, tokenizer, progress=bar.update)
         elif args.target_rate is not None:
             with tqdm(desc=f"{policy}: fleet sizes tried", unit="run", leave=False, disable=None) as bar:
-                out[policy] = fewest_replicas(requests, policy, fleet, tokenizer, args.slo_ttft_p99,
-                                              args.target_rate, on_run=lambda n, figures: bar.update(1))
+                try:
+                    out[policy] = fewest_replicas(requests, policy, fleet, tokenizer, args.slo_ttft_p99,
+                                                  args.target_rate, on_run=lambda n, figures: bar.update(1))
+                except ValueError as exc:  # a rate the trace's times cannot be scaled to
+                    print(f"prefix-router fleetsim: --target-rate: {exc}", file=sys.stderr)
+                    return 2
         else:
             with tqdm(desc=f"{policy}: rates tried", unit="run", leave=False, disable=None) as bar:
                 out[policy] = capacity(requests, policy, fleet, tokenizer, args.slo_ttft_p99,
                                        on_run=lambda scale, figures: bar.update(1))
     print(_table(out, args))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-            f.write("\n")
+        try:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
+                f.write("\n")
+        except OSError as exc:
+            print(f"prefix-router fleetsim: could not write {args.json}: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -103,14 +111,18 @@ def _problem(args: argparse.Namespace) -> str | None:
 
     if not 1 <= args.replicas <= 100_000:
         return "--replicas must be between 1 and 100,000"
+    if not args.rate_scale <= 1e6:
+        return "--rate-scale must be at most 1e6"
     for flag, value, low in (("--rate-scale", args.rate_scale, 1e-6), ("--scrape-interval", args.scrape_interval, 0.001),
                              ("--slo-ttft-p99", args.slo_ttft_p99, 0.0), ("--target-rate", args.target_rate, 0.0)):
         if value is not None and not (math.isfinite(value) and value >= low and value > 0):
             return f"{flag} must be a finite number of at least {low:g}" if low else f"{flag} must be a finite number above 0"
     if args.limit is not None and args.limit < 1:
         return "--limit must be at least 1"
-    if not 1 <= args.gateways <= 256:
-        return "--gateways must be between 1 and 256"
+    if not 1 <= args.gateways <= 32:
+        return "--gateways must be between 1 and 32 (each instance keeps its own picture of every replica)"
+    if args.target_rate is not None and args.rate_scale != 1.0:
+        return "--target-rate sets the rate; leave --rate-scale out"
     if args.kv_events_delay is not None and not (math.isfinite(args.kv_events_delay) and args.kv_events_delay >= 0):
         return "--kv-events-delay must be a finite number of seconds, 0 or more"
     if args.target_rate is not None and args.slo_ttft_p99 is None:
@@ -136,7 +148,7 @@ def _table(out: dict[str, dict], args: argparse.Namespace) -> str:
             row.append("above every rate tried" if f["capacity_rps"] is None else
                        "below every rate tried" if not f["capacity_rps"] else f"{f['capacity_rps']:.2f}")
         if sizing:
-            row.append(f"more than {args.replicas}" if f["replicas"] is None else str(f["replicas"]))
+            row.append(_sizing(f, args))
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -145,6 +157,17 @@ def _table(out: dict[str, dict], args: argparse.Namespace) -> str:
     if sizing:
         lines.append("(each row's figures on the fewest replicas found, or on all of them when none served)")
     return "\n".join(lines)
+
+
+def _sizing(f: dict, args: argparse.Namespace) -> str:
+    """The fewest replicas found, or why there is no such number."""
+    if f["replicas"] is not None:
+        return str(f["replicas"])
+    if not f["requests"] and f["rejected"]:
+        return "none: every prompt is longer than a replica holds"
+    if f["offered_rps"] is not None and f["offered_rps"] < 0.9 * args.target_rate:
+        return f"none: the trace comes at {f['offered_rps']:.3g} req/s at most (its sessions wait for answers)"
+    return f"more than {args.replicas}"
 
 
 def _s(value: float | None) -> str:

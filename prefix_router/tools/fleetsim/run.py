@@ -81,7 +81,9 @@ def simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig,
     """Run ``requests`` through a fleet routed by ``policy``; its figures: ``token_hit_rate`` (the
     engines' own counters), ``busiest_over_fair`` (requests to the busiest replica over the mean),
     ``ttft_p50_s``/``ttft_p99_s`` (send to first token), ``requests`` (served), ``rejected``
-    (prompts no engine takes), ``duration_s`` (virtual). ``progress`` is called with each
+    (prompts no engine takes), ``duration_s`` (virtual: to the last request's end),
+    ``offered_rps`` (requests over the span of their arrivals: below the trace's rate where
+    sessions wait for their answers; None for one request). ``progress`` is called with each
     request done; ``records`` gets a dict a request served: its index, replica, the times it was
     sent, had its first token and ended, and its prompt and cached tokens.
 
@@ -132,7 +134,8 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
     inflight: dict[SimRequest, tuple[int, Sent, float, SimRouter]] = {}
     ttfts: list[float] = []
     done = rejected = 0
-    now = 0.0
+    now = end = last_at = 0.0  # the last request's arrival, and the last end of one, bound the run (not late events)
+    first_at = math.inf
 
     def start(replica: _Replica, t: float) -> None:
         steps = replica.scheduler.decode_run(_LONGEST_RUN) if fleet.decode_runs else 0
@@ -152,7 +155,8 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
             push(t + engine.step_seconds(step.num_prefill_tokens, step.num_decode_context_tokens), _STEP, replica.name)
 
     def arrive(i: int, t: float) -> None:
-        nonlocal rejected
+        nonlocal rejected, first_at, last_at, end
+        first_at, last_at, end = min(first_at, t), t, t
         request = requests[i]
         length = request.meta.get("input_length", request.meta.get("units", 0))
         try:  # a prompt known too long is refused before it is made
@@ -213,7 +217,8 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
             push(t + fleet.kv_events_delay_s, _EVENTS, (replica.name, publish(batch, t)))
 
     def ended(replica: _Replica, job: SimRequest, t: float) -> None:
-        nonlocal done
+        nonlocal done, end
+        end = t
         i, sent, sent_at, router = inflight.pop(job)
         router.finished(sent, job.num_output_tokens, t)
         done += 1
@@ -247,7 +252,8 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
                 push(now + fleet.scrape_interval_s, _SCRAPE, payload)
             else:  # idle: its next scrapes would read what this one read, until a request is sent to it
                 paused[payload] = now
-    return _figures(replicas, routers, ttfts, done, rejected, now)
+    offered = (done + rejected) / (last_at - first_at) if last_at > first_at else None  # as capacity.trace_rate
+    return {**_figures(replicas, routers, ttfts, done, rejected, end), "offered_rps": offered}
 
 
 def _figures(replicas: dict, routers: list[SimRouter], ttfts: list[float], done: int, rejected: int,

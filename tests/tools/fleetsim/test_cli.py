@@ -46,6 +46,24 @@ def test_gateway_instances_following_kv_events_are_one_flag_each(tmp_path, capsy
     assert json.loads(out.read_text())["prefix-router"]["requests"] == 30
 
 
+def test_a_rate_sessions_cannot_reach_is_named_not_met_by_one_replica(capsys):
+    assert main(["fleetsim", "--workload", "one-system-prompt", "--limit", "60", "--replicas", "4",
+                 "--policy", "least-loaded", "--slo-ttft-p99", "5", "--target-rate", "1e5"]) == 0
+    assert "none: the trace comes at" in capsys.readouterr().out
+
+
+def test_a_target_rate_too_far_from_the_traces_own_is_refused(capsys):
+    assert main(["fleetsim", "--workload", "chat", "--limit", "20", "--replicas", "2", "--policy", "least-loaded",
+                 "--slo-ttft-p99", "1", "--target-rate", "1e-300"]) == 2
+    assert "--target-rate: the trace comes at" in capsys.readouterr().err
+
+
+def test_a_json_file_that_cannot_be_written_is_said_without_a_traceback(capsys):
+    assert main(["fleetsim", "--workload", "chat", "--limit", "5", "--replicas", "2", "--policy", "round-robin",
+                 "--json", "/dev/full"]) == 1
+    assert "could not write /dev/full" in capsys.readouterr().err
+
+
 def test_bad_input_is_refused_with_a_message_and_status_2(tmp_path, capsys):
     assert main(["fleetsim", "--replicas", "0"]) == 2
     assert main(["fleetsim", "--replicas", "2", "--trace", str(tmp_path / "missing.jsonl")]) == 2
@@ -69,7 +87,9 @@ def test_a_request_log_without_prompts_names_the_setting_that_writes_them(tmp_pa
                                  ["--slo-ttft-p99", "0"], ["--slo-ttft-p99", "nan"], ["--limit", "0"],
                                  ["--num-gpu-blocks", "1"], ["--replicas", "1000000"], ["--json", "/nonexistent/out.json"],
                                  ["--target-rate", "5"], ["--slo-ttft-p99", "2", "--target-rate", "-1"],
-                                 ["--gateways", "0"], ["--kv-events-delay", "-1"], ["--kv-events-delay", "nan"]])
+                                 ["--gateways", "0"], ["--gateways", "33"], ["--kv-events-delay", "-1"],
+                                 ["--kv-events-delay", "nan"], ["--rate-scale", "1e300"],
+                                 ["--slo-ttft-p99", "1", "--target-rate", "5", "--rate-scale", "2"]])
 def test_numbers_out_of_range_are_refused_before_anything_runs(bad, capsys):
     args = ["fleetsim", "--workload", "chat", "--replicas", "2", *bad]
     assert main(args) == 2

@@ -149,3 +149,10 @@ def test_events_late_by_a_delay_still_give_one_run_for_one_seed(mixed):
     fleet = FleetConfig(replicas=4, engine=SMALL, gateways=2, kv_events_delay_s=0.5)
     first, second = (simulate(mixed, "prefix-router", fleet, tok) for _ in range(2))
     assert first == second and first["requests"] == len(mixed)
+
+
+def test_late_events_do_not_lengthen_the_run_they_come_after(mixed):
+    tok = load_tokenizer(None)
+    plain = simulate(mixed, "least-loaded", FleetConfig(replicas=4, engine=SMALL), tok)
+    late = simulate(mixed, "least-loaded", FleetConfig(replicas=4, engine=SMALL, kv_events_delay_s=1000.0), tok)
+    assert late["duration_s"] == plain["duration_s"] < 1000 and late["ttft_p99_s"] == plain["ttft_p99_s"]
