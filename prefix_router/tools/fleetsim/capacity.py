@@ -23,7 +23,7 @@ _STEPS = 6  # bisection steps once a served and an unserved scale bracket the ca
 _WIDEST = 2.0 ** 12  # scales searched: from 1/4096 to 4096 times the first one tried
 _SCALES = (1e-6, 1e6)  # rate scales a target rate may ask for: past them a trace's times lose their precision
 _OFFERED = 0.9  # a fleet serves a target rate only if the trace's requests came at this share of it at least
-_CLOSED = 0.9  # a run at twice the rate that takes longer than this share of the last one: a closed loop
+_CLOSED = 1.1  # twice the rate asked bringing requests at less than this times the last run's pace: a closed loop
 
 
 def trace_rate(requests: Sequence[ReplayRequest]) -> float:
@@ -41,7 +41,8 @@ def capacity(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig,
     ``rate_scale`` and ``runs``); ``capacity_rps`` 0.0 when even the slowest scale searched misses
     the objective, None when it met the objective at the fastest (a closed loop: a trace of
     sessions whose turns wait for their answers loads a fleet no further however fast they start;
-    seen when doubling the rate no longer shortens the run, or at the fastest scale searched).
+    seen when doubling the rate asked brings the requests less than 1.1 times as fast, or at the
+    fastest scale searched).
 
     The search starts at ``fleet.rate_scale`` (a good guess saves runs), doubles or halves it
     until a served and an unserved scale bracket the capacity, then halves the bracket's ratio
@@ -76,8 +77,8 @@ def capacity(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig,
         scale = good * 2
         figures = run(scale)
         if served(figures):
-            if figures["duration_s"] > _CLOSED * best["duration_s"]:  # twice the rate, the same run:
-                good, best = scale, figures  # turns that wait for their answers set the pace, not the rate
+            if _paced(best, figures):  # twice the rate asked, not twice the rate that came:
+                good, best = scale, figures  # turns that wait for their answers set the pace
                 break
             good, best = scale, figures
         else:
@@ -139,3 +140,12 @@ def fewest_replicas(requests: Sequence[ReplayRequest], policy: str, fleet: Fleet
         else:
             low = mid
     return {**tried[high], "replicas": high, "rate_scale": scale}
+
+
+def _paced(before: dict, after: dict) -> bool:
+    """Whether a run at twice the rate of ``before`` came no faster (``offered_rps``): the
+    trace's own turns, waiting for their answers, set its pace. A trace's length is no sign of
+    it: the last answers of an open trace take as long at any rate once its requests come at once."""
+    if before["offered_rps"] is None or after["offered_rps"] is None:
+        return before["duration_s"] > 0 and after["duration_s"] >= before["duration_s"]
+    return after["offered_rps"] < _CLOSED * before["offered_rps"]

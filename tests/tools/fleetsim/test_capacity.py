@@ -89,3 +89,16 @@ def test_the_fewest_replicas_found_serve_the_rate_and_one_fewer_does_not():
     assert too_few["replicas"] is None and too_few["ttft_p99_s"] > 0.5
     with pytest.raises(ValueError):
         fewest_replicas(requests, "round-robin", fleet, tok, 0.5, 0.0)
+
+
+def test_an_open_trace_whose_answers_outlast_its_arrivals_still_has_a_capacity():
+    """Long answers make the run as long at any rate once the requests come at once; only the
+    pace they came at tells a closed loop from an open trace."""
+    rng = random.Random(3)
+    requests = [ReplayRequest(COMPLETIONS, {"prompt": [rng.randrange(300, 30_000) for _ in range(2048)],
+                                            "max_tokens": 3000}, at_s=float(i)) for i in range(60)]
+    tok, fleet = load_tokenizer(None), FleetConfig(replicas=2, engine=SimConfig(num_gpu_blocks=12000))
+    found = capacity(requests, "round-robin", fleet, tok, slo_ttft_p99_s=0.5, steps=3)
+    assert found["capacity_rps"] and found["ttft_p99_s"] <= 0.5
+    faster = simulate(requests, "round-robin", replace(fleet, rate_scale=2 * found["rate_scale"]), tok)
+    assert faster["ttft_p99_s"] > 0.5
