@@ -3,7 +3,8 @@
 ``COMMANDS`` misses fails ``tests/test_bench_main.py``."""
 
 COMMANDS = ("compare", "overhead", "choice", "fleet-cost", "instances", "mooncake", "load", "hostile-bodies",
-            "sim-throughput", "kv-event-sizes", "kv-intake", "fleetsim", "fleetsim-speed")
+            "sim-throughput", "kv-event-sizes", "kv-intake", "fleetsim", "fleetsim-speed", "fleetsim-capacity",
+            "fleetsim-knobs")
 
 
 def module_of(command: str) -> str:
