@@ -283,7 +283,7 @@ class ByteTokenizer:
 
     def render_chat(self, messages, *, tools=None, add_generation_prompt=True,
                     continue_final_message=False, chat_template_kwargs=None) -> list[int]:
-        return self._ids(self._chat_text(messages, tools, add_generation_prompt, continue_final_message)).tolist()
+        return self.encode(self._chat_text(messages, tools, add_generation_prompt, continue_final_message))
 
     @staticmethod
     def _chat_text(messages, tools, add_generation_prompt: bool, continue_final_message: bool) -> str:
@@ -306,10 +306,8 @@ class ByteTokenizer:
 
     def render_chat_tokens(self, messages, *, tools=None, add_generation_prompt=True,
                            continue_final_message=False, chat_template_kwargs=None) -> Tokens:
-        ids = array("q")
-        ids.frombytes(self._ids(self._chat_text(messages, tools, add_generation_prompt, continue_final_message))
-                      .astype(np.int64).tobytes())
-        return Tokens(ids)
+        return Tokens(array("q", self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message)))
 
     def decode_token(self, token_id: int) -> str:
         return " " + self._WORDS[token_id % len(self._WORDS)]
