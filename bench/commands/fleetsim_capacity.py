@@ -127,11 +127,13 @@ def chain(workload: str, policy: str, sizes: tuple[int, ...], steps: int, kept: 
     return out
 
 
+def read_cells(path: Path) -> list[dict]:
+    """The cells kept in ``path`` (one JSON object a line), none when it is not there."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 def _kept() -> dict[tuple, dict]:
-    if not CELLS.exists():
-        return {}
-    cells = (json.loads(line) for line in CELLS.read_text().splitlines() if line.strip())
-    return {(c["workload"], c["replicas"], c["policy"]): c for c in cells}
+    return {(c["workload"], c["replicas"], c["policy"]): c for c in read_cells(CELLS)}
 
 
 def _capacity(c: dict) -> str:

@@ -31,7 +31,7 @@ from prefix_router.tools.sim.config import SimConfig
 
 from .. import CACHE, RESULTS
 from ..report import command_line, write_results
-from .fleetsim_capacity import WORKLOADS, _first_guess, _requests
+from .fleetsim_capacity import WORKLOADS, _first_guess, _requests, read_cells
 
 # knob -> the values tried beside its default
 KNOBS = {
@@ -70,10 +70,7 @@ def cell(workload: str, knob: str, value, replicas: int, steps: int) -> dict:
 
 
 def _kept() -> dict[tuple, dict]:
-    if not CELLS.exists():
-        return {}
-    cells = (json.loads(line) for line in CELLS.read_text().splitlines() if line.strip())
-    return {(c["workload"], c["replicas"], c["knob"], json.dumps(c["value"])): c for c in cells}
+    return {(c["workload"], c["replicas"], c["knob"], json.dumps(c["value"])): c for c in read_cells(CELLS)}
 
 
 def _table(cells: dict, runs: list[tuple[str, int]]) -> list[str]:
