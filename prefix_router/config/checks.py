@@ -178,6 +178,7 @@ CHECKS: dict[tuple[type, str], _Check] = {
     (RoutingConfig, "holder_share_factor"): _bounded(1),
     (RoutingConfig, "holder_slack"): _NON_NEGATIVE,
     (RoutingConfig, "match_threshold"): _bounded(0, 1),
+    (RoutingConfig, "prefill_queue_weight"): _NON_NEGATIVE,
     (RoutingConfig, "session_header"): _non_empty,
     (IndexConfig, "max_blocks_per_replica"): _POSITIVE,
     (IndexConfig, "max_branch_blocks"): _POSITIVE,

@@ -36,6 +36,12 @@ behind each step and default are in ``docs/routing-rule.md``.
    Where every instance reads the same picture, holders of equal parts are told apart by load
    before the ring (``Route.BALANCE``), and a hot shared prefix counts for nothing
    (``_replicate_depth``), so a replica that missed the first requests is not outranked forever.
+5. The holder's queue: the replica chosen is passed over for one within the bound holding less
+   of the prompt where that one's estimate of the wait is less, uncached blocks plus
+   ``prefill_queue_weight`` (0.1) x blocks queued for prefill (``_sooner``). The in-flight
+   bound counts requests, and with prompts from 1k to 100k tokens a holder few requests deep
+   can have minutes of prefill queued: a short prompt sharing a small prefix with it waits
+   behind all of it, where any other replica would compute the whole prompt at once.
 
 The route reported: ``affinity`` (the key's ring owner), ``sticky`` (another replica held more),
 ``balance`` (new work, or a tie told apart by load), ``spill`` (the preferred replica was over
@@ -130,6 +136,8 @@ class PrefixAffinityPolicy:
                 fitting = [r for r in order if r in taken or r in leave]
         if fitting:
             replica = preferred if fitting == order else choose(fitting)  # nobody past a bound: chosen already
+            if self.config.prefill_queue_weight:
+                replica = self._sooner(replica, fitting, matches, replicas, cap)
         else:  # loads that are not what the bound assumes (negative); not reached otherwise
             replica = min(order, key=lambda n: replicas[n].load)
         if replica != preferred:
@@ -160,6 +168,23 @@ class PrefixAffinityPolicy:
                 return tied[0]
             return min(map(replicas.__getitem__, tied), key=_LOAD_THEN_SHARE).name
         return choose
+
+    def _sooner(self, chosen: str, fitting: Sequence[str], matches: Mapping[str, int],
+                replicas: Mapping[str, ReplicaView], cap: int) -> str:
+        """Step 5: ``chosen``, or a replica of ``fitting`` holding less of the prompt whose
+        estimate is less: the prompt's uncached blocks there plus ``prefill_queue_weight`` x
+        the blocks queued for prefill there (``ReplicaView.prefill``). ``chosen`` keeps ties,
+        and keeps the request when the least estimate is a replica holding as much as it does:
+        between equal holders the tie rule of step 4 decides (load, then share), which keeps
+        the sessions on one system prompt spread evenly (switching among them by queue took a
+        coding-agent fleet's hit rate from 0.82 to 0.68 in the fleet simulator)."""
+        weight = self.config.prefill_queue_weight
+        costs = [cap - matches[r] + weight * replicas[r].prefill for r in fitting]
+        least = min(costs)
+        if cap - matches[chosen] + weight * replicas[chosen].prefill <= least:
+            return chosen
+        sooner = fitting[costs.index(least)]
+        return sooner if matches[sooner] < matches[chosen] else chosen
 
     def _replicate_depth(self, hashes: Sequence[BlockHash], matches: Mapping[str, int], depth: int) -> int:
         """The deepest hot prefix of the prompt (``_is_hot``) within the part many prompts share

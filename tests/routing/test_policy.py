@@ -823,3 +823,52 @@ def test_a_routable_replica_the_ring_does_not_list_yet_is_no_crash_and_not_chose
     views[off].shadow.insert(hashes)
     d = select(policy, hashes, views)
     assert d.replica != off and d.replica in ring and d.best_replica != off
+
+
+# --- the holder's queue (prefill_queue_weight) --------------------------------------------------
+
+# (case, weight, the holder's prefill queue, the others', their loads, whether the holder keeps it):
+# the holder has 16 of the prompt's 20 blocks, so it computes 4 and any other replica 20; it is
+# passed over where 4 + weight x its queue is more than 20 + weight x another's within the bound
+QUEUE_CASES = [
+    ("a holder 300 blocks of prefill deeper than a replica with none is passed over", 0.1, 300, [0, 50, 100],
+     [0, 0, 0], False),
+    ("a holder 100 blocks deeper keeps the prompt: recomputing 16 blocks weighs more", 0.1, 100, [0, 50, 100],
+     [0, 0, 0], True),
+    ("an exact tie of the estimates keeps the holder", 0.1, 160, [0, 50, 100], [0, 0, 0], True),
+    ("a weight of 0 keeps the holder however deep its queue", 0.0, 10_000, [0, 0, 0], [0, 0, 0], True),
+    ("replicas past the load bound are not where it goes, however short their queue", 0.1, 300, [0, 0, 0],
+     [5, 5, 5], True),  # 15 in flight: the bound is ceil(max(1.25 x 16 / 4, 16 / 4 + 1)) = 5
+]
+
+
+@pytest.mark.parametrize("case, weight, queued, others, loads, keeps", QUEUE_CASES, ids=[c[0] for c in QUEUE_CASES])
+def test_a_holder_with_a_deep_prefill_queue(case, weight, queued, others, loads, keeps):
+    policy, _, _, views = setup(RoutingConfig(prefill_queue_weight=weight))
+    hashes = fresh(20)
+    holder = select(policy, hashes, views).replica
+    views[holder].shadow.insert(hashes[:16])
+    views[holder].prefill = queued
+    rest = [n for n in NAMES if n != holder]
+    for name, prefill, load in zip(rest, others, loads):
+        views[name].prefill, views[name].load = prefill, load
+    d = select(policy, hashes, views)
+    if keeps:
+        assert d.replica == holder and d.route is not Route.SPILL
+    else:  # the replica that would start it soonest: the least queued of the others
+        assert d.replica == rest[others.index(min(others))]
+        assert d.route is Route.SPILL and d.spilled_from == holder and d.predicted_blocks == 0
+
+
+def test_a_deep_queue_sends_nothing_to_a_replica_holding_as_much_of_the_prompt():
+    """Between replicas holding equal parts the tie rule decides (load, then recent share), not
+    the queues: the share keeps sessions on a shared system prompt balanced over the fleet."""
+    policy, _, _, views = setup(RoutingConfig(prefill_queue_weight=0.1))
+    hashes = fresh(20)
+    first, second = NAMES[:2]
+    for name in (first, second):
+        views[name].shadow.insert(hashes[:16])
+    views[second].load = 1  # the tie goes to the first by load
+    views[first].prefill = 1_000
+    d = select(policy, hashes, views)
+    assert d.replica == first and d.route is not Route.SPILL
