@@ -10,7 +10,8 @@ objective, and reports its token hit rate and TTFT there. The workloads:
 - coding agents (``coding_agents``: 48 x N sessions whose turns wait for their answers, contexts to
   ~40k tokens; a closed loop needs that many to load a fleet at all: with 24 a replica, this
   gateway and session hashing served every session at full pace within 2 s, where round-robin
-  reached 2 s at 17 req/s on 8 replicas), at 8 and 32;
+  reached 2 s at 17 req/s on 8 replicas), at 8, 32 and 128 (about 20 minutes of CPU a policy at
+  128);
 - SGLang's generated shared prefix (32 x N system prompts, 16 questions each) and ``vllm bench
   serve``'s ``prefix_repetition`` (32 prefixes) and ``random`` with a shared prefix
   (``vllm_bench_requests``; 512 x N prompts each), at 8 and 32.
@@ -73,7 +74,7 @@ SMALL = (8, 32)  # sizes affordable for the workloads that need many requests a 
 # name -> (requests for a fleet of n, TTFT p99 objective in s, fleet sizes run by default)
 WORKLOADS = {
     **{f"mooncake {p.stem.split('_')[-1]}": (_mooncake(p), LONG_PROMPT_OBJECTIVE_S, SIZES) for p in DEFAULT_TRACES},
-    "coding agents": (lambda n: coding_agents(sessions=48 * n), OBJECTIVE_S, SMALL),
+    "coding agents": (lambda n: coding_agents(sessions=48 * n), OBJECTIVE_S, SMALL + (128,)),
     "sglang generated-shared-prefix": (lambda n: generated_shared_prefix(groups=32 * n), OBJECTIVE_S, SMALL),
     "vllm-bench prefix-repetition": (_shape("prefix_repetition"), OBJECTIVE_S, SMALL),
     "vllm-bench random shared-prefix": (_shape("random"), OBJECTIVE_S, SMALL),

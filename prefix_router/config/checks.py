@@ -8,6 +8,8 @@ trailing slash), or raises ``Reject`` with what was expected.
 
 from __future__ import annotations
 
+import math
+
 import os
 from collections.abc import Callable
 from typing import Any
@@ -158,6 +160,14 @@ def _secrets(values: tuple[str, ...]) -> tuple[str, ...]:
 
 _POSITIVE = _bounded(1)
 _NON_NEGATIVE = _bounded(0)
+
+
+def _FINITE_NON_NEGATIVE(value: Any) -> Any:  # noqa: N802 (a check, named as the others)
+    if not 0 <= value < math.inf:
+        raise Reject("a finite value >= 0")
+    return value
+
+
 _TIME = _bounded(0, strict=True)  # seconds
 CHECKS: dict[tuple[type, str], _Check] = {
     # Applied after the type check, skipped for None.
@@ -178,7 +188,7 @@ CHECKS: dict[tuple[type, str], _Check] = {
     (RoutingConfig, "holder_share_factor"): _bounded(1),
     (RoutingConfig, "holder_slack"): _NON_NEGATIVE,
     (RoutingConfig, "match_threshold"): _bounded(0, 1),
-    (RoutingConfig, "prefill_queue_weight"): _NON_NEGATIVE,
+    (RoutingConfig, "prefill_queue_weight"): _FINITE_NON_NEGATIVE,  # inf x an empty queue would be nan
     (RoutingConfig, "session_header"): _non_empty,
     (IndexConfig, "max_blocks_per_replica"): _POSITIVE,
     (IndexConfig, "max_branch_blocks"): _POSITIVE,

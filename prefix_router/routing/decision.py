@@ -25,7 +25,7 @@ class Route(str, enum.Enum):
     """Which branch chose the replica (the ``route`` label of ``prefix_router_requests_total``)."""
 
     AFFINITY = "affinity"  # the ring's owner of the routing key
-    SPILL = "spill"  # the preferred replica was over the load bound
+    SPILL = "spill"  # the preferred replica was over the load bound, or its prefill queue too deep (step 5)
     STICKY = "sticky"  # a replica other than the owner held more of the prompt
     # chosen by load: a prompt mostly new everywhere, to the replica with the least prompt queued
     # for prefill (then load, then blocks held); or one several replicas hold equally, by load

@@ -36,12 +36,14 @@ behind each step and default are in ``docs/routing-rule.md``.
    Where every instance reads the same picture, holders of equal parts are told apart by load
    before the ring (``Route.BALANCE``), and a hot shared prefix counts for nothing
    (``_replicate_depth``), so a replica that missed the first requests is not outranked forever.
-5. The holder's queue: the replica chosen is passed over for one within the bound holding less
-   of the prompt where that one's estimate of the wait is less, uncached blocks plus
-   ``prefill_queue_weight`` (0.1) x blocks queued for prefill (``_sooner``). The in-flight
-   bound counts requests, and with prompts from 1k to 100k tokens a holder few requests deep
-   can have minutes of prefill queued: a short prompt sharing a small prefix with it waits
-   behind all of it, where any other replica would compute the whole prompt at once.
+5. The holder's queue: the replica chosen is passed over where one within the in-flight bound
+   holding less of the prompt scores less, the score being uncached blocks plus
+   ``prefill_queue_weight`` (0.1) x blocks queued for prefill (``_sooner``); the least score
+   then takes it. The in-flight bound counts requests, and with prompts from 1k to 100k tokens
+   a holder a few requests deep can have seconds of prefill queued, behind which a short
+   prompt sharing a small prefix with it waits, where a replica with none queued would have
+   computed all of it. Blocks are the gateway's (a character block counts as one where the
+   prompt is not cut into tokens), and the queue is this instance's own requests.
 
 The route reported: ``affinity`` (the key's ring owner), ``sticky`` (another replica held more),
 ``balance`` (new work, or a tie told apart by load), ``spill`` (the preferred replica was over
@@ -137,7 +139,7 @@ class PrefixAffinityPolicy:
         if fitting:
             replica = preferred if fitting == order else choose(fitting)  # nobody past a bound: chosen already
             if self.config.prefill_queue_weight:
-                replica = self._sooner(replica, fitting, matches, replicas, cap)
+                replica = self._sooner(replica, fitting, matches, replicas, cap, bounds.load)
         else:  # loads that are not what the bound assumes (negative); not reached otherwise
             replica = min(order, key=lambda n: replicas[n].load)
         if replica != preferred:
@@ -170,21 +172,26 @@ class PrefixAffinityPolicy:
         return choose
 
     def _sooner(self, chosen: str, fitting: Sequence[str], matches: Mapping[str, int],
-                replicas: Mapping[str, ReplicaView], cap: int) -> str:
-        """Step 5: ``chosen``, or a replica of ``fitting`` holding less of the prompt whose
-        estimate is less: the prompt's uncached blocks there plus ``prefill_queue_weight`` x
-        the blocks queued for prefill there (``ReplicaView.prefill``). ``chosen`` keeps ties,
-        and keeps the request when the least estimate is a replica holding as much as it does:
-        between equal holders the tie rule of step 4 decides (load, then share), which keeps
-        the sessions on one system prompt spread evenly (switching among them by queue took a
-        coding-agent fleet's hit rate from 0.82 to 0.68 in the fleet simulator)."""
-        weight = self.config.prefill_queue_weight
-        costs = [cap - matches[r] + weight * replicas[r].prefill for r in fitting]
-        least = min(costs)
-        if cap - matches[chosen] + weight * replicas[chosen].prefill <= least:
+                replicas: Mapping[str, ReplicaView], cap: int, load_bound: int) -> str:
+        """Step 5: ``chosen``, or the replica to start the prompt soonest by the score uncached
+        blocks + ``prefill_queue_weight`` x blocks queued for prefill (``ReplicaView.prefill``;
+        a queued block counts a tenth of a block to compute at the default 0.1), among the
+        replicas of ``fitting`` within the in-flight ``load_bound`` (not those let in by the
+        holder's leave). ``chosen`` keeps the request unless a replica holding less of the
+        prompt scores less than it does: between equal holders step 4's tie rule decides (load,
+        then share), which keeps the sessions on one system prompt spread evenly (trading them
+        by queue took a coding-agent fleet's hit rate from 0.82 to 0.68 in the fleet simulator).
+        Once ``chosen`` is passed over, the least score takes it, an equal holder's included,
+        ties to the one holding most, then ring order. Negative queues (an accounting slip)
+        count as none."""
+        weight, held = self.config.prefill_queue_weight, matches[chosen]
+        targets = [r for r in fitting if replicas[r].load + 1 <= load_bound]
+        scores = [cap - matches[r] + weight * max(replicas[r].prefill, 0) for r in targets]
+        lesser = [s for r, s in zip(targets, scores) if matches[r] < held]
+        if not lesser or min(lesser) >= cap - held + weight * max(replicas[chosen].prefill, 0):
             return chosen
-        sooner = fitting[costs.index(least)]
-        return sooner if matches[sooner] < matches[chosen] else chosen
+        least = min(scores)
+        return max((r for r, s in zip(targets, scores) if s == least), key=matches.__getitem__)
 
     def _replicate_depth(self, hashes: Sequence[BlockHash], matches: Mapping[str, int], depth: int) -> int:
         """The deepest hot prefix of the prompt (``_is_hot``) within the part many prompts share

@@ -22,6 +22,8 @@ def test_every_range_check_names_a_real_field():
     ({"routing": {"virtual_nodes": 0}}, "routing.virtual_nodes:"),
     ({"routing": {"load_factor": 0.9}}, "routing.load_factor:"),
     ({"routing": {"branch_threshold": 1}}, "routing.branch_threshold:"),
+    ({"routing": {"prefill_queue_weight": -0.1}}, "routing.prefill_queue_weight:"),
+    ({"routing": {"prefill_queue_weight": float("inf")}}, "routing.prefill_queue_weight:"),  # inf x 0 is nan
     ({"health": {"timeout_s": 0}}, "health.timeout_s:"),
     ({"scrape": {"interval_s": -1.0}}, "scrape.interval_s:"),
     ({"upstream": {"max_retries": -1}}, "upstream.max_retries:"),

@@ -860,15 +860,29 @@ def test_a_holder_with_a_deep_prefill_queue(case, weight, queued, others, loads,
         assert d.route is Route.SPILL and d.spilled_from == holder and d.predicted_blocks == 0
 
 
-def test_a_deep_queue_sends_nothing_to_a_replica_holding_as_much_of_the_prompt():
+@pytest.mark.parametrize("queued, expected", [(100, 0), (1_000, 1)])
+def test_between_equal_holders_the_queue_decides_only_once_the_chosen_one_is_passed_over(queued, expected):
     """Between replicas holding equal parts the tie rule decides (load, then recent share), not
-    the queues: the share keeps sessions on a shared system prompt balanced over the fleet."""
+    the queues, which keeps sessions on one system prompt balanced; once the chosen one's queue
+    scores worse than a replica holding nothing, the least score takes it: the other holder."""
     policy, _, _, views = setup(RoutingConfig(prefill_queue_weight=0.1))
     hashes = fresh(20)
-    first, second = NAMES[:2]
-    for name in (first, second):
+    for name in NAMES[:2]:
         views[name].shadow.insert(hashes[:16])
-    views[second].load = 1  # the tie goes to the first by load
-    views[first].prefill = 1_000
+    views[NAMES[1]].load = 1  # the tie goes to the first by load
+    views[NAMES[0]].prefill = queued  # 4 + 10 or 4 + 100 against 20 elsewhere and 4 on the other holder
     d = select(policy, hashes, views)
-    assert d.replica == first and d.route is not Route.SPILL
+    assert d.replica == NAMES[expected] and d.predicted_blocks == 16
+
+
+def test_replicas_scoring_alike_once_the_holder_is_passed_over_go_to_the_one_holding_most():
+    policy, _, _, views = setup(RoutingConfig(prefill_queue_weight=0.1))
+    hashes = fresh(20)
+    holder, partial, empty, busy = NAMES
+    views[holder].shadow.insert(hashes[:16])
+    views[holder].prefill = 1_000  # 4 + 100
+    views[partial].shadow.insert(hashes[:8])
+    views[partial].prefill = 80  # 12 + 8 = 20, as the replica holding nothing and queueing nothing
+    views[busy].prefill = 500  # 20 + 50
+    d = select(policy, hashes, views)
+    assert d.replica == partial and d.predicted_blocks == 8 and d.spilled_from == holder
