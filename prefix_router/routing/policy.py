@@ -180,7 +180,7 @@ class PrefixAffinityPolicy:
         holder's leave). ``chosen`` keeps the request unless a replica holding less of the
         prompt scores less than it does: between equal holders step 4's tie rule decides (load,
         then share), which keeps the sessions on one system prompt spread evenly (trading them
-        by queue took a coding-agent fleet's hit rate from 0.82 to 0.68 in the fleet simulator).
+        by queue piled sessions onto a few replicas: docs/routing-rule.md, step 5).
         Once ``chosen`` is passed over, the least score takes it, an equal holder's included,
         ties to the one holding most, then ring order. Negative queues (an accounting slip)
         count as none."""
