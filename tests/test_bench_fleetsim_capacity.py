@@ -42,9 +42,11 @@ def test_each_cell_is_found_kept_and_reported_beside_the_best_baseline(small):
         assert c["ttft_p99_s"] <= 0.5 and c["capacity_rps"] > 0
     by = {(c["replicas"], c["policy"]): c for c in cells}
     assert by[(4, "round-robin")]["capacity_rps"] > by[(2, "round-robin")]["capacity_rps"]
-    ratio = by[(4, "prefix-router")]["capacity_rps"] / by[(4, "round-robin")]["capacity_rps"]
+    ratio = command.served_rps(by[(4, "prefix-router")]) / command.served_rps(by[(4, "round-robin")])
     readme = (out / "README.md").read_text()
-    assert f"| groups (0.5 s) | 4 | " in readme and f"| {ratio:.2f}x |" in readme
+    ours = by[(4, "prefix-router")]
+    span = ours["requests"] / command.served_rps(ours)  # the run at capacity: how long its requests took to come
+    assert f"| groups (0.5 s) | 4 | " in readme and f"| {ratio:.2f}x | {span:,.0f} |" in readme
     assert (out / "capacity.png").stat().st_size > 1000
     kept = command.CELLS.read_text()
 
@@ -57,6 +59,19 @@ def test_each_cell_is_found_kept_and_reported_beside_the_best_baseline(small):
     finally:
         command.capacity = real
     assert command.CELLS.read_text() == kept
+
+
+def test_a_closed_loop_is_reported_at_the_rate_that_came_not_the_rate_asked():
+    """Sessions that wait for their answers come slower than asked: what came is what was served,
+    so the table and the ratio read ``offered_rps``; a cell kept without it (an open trace) reads
+    the rate asked, and an unbounded one none."""
+    ours = {"capacity_rps": 68.0, "offered_rps": 32.0, "token_hit_rate": 0.8}
+    theirs = {"capacity_rps": 50.0, "offered_rps": 26.0, "token_hit_rate": 0.8}
+    assert command.served_rps(ours) == 32.0
+    assert command.served_rps({"capacity_rps": 10.0}) == 10.0
+    assert command.served_rps({"capacity_rps": None, "offered_rps": 5.0}) is None
+    assert command._ratio({"prefix-router": ours, "round-robin": theirs}) == f"{32 / 26:.2f}x"
+    assert command._capacity(ours).startswith("32 ")
 
 
 def test_unknown_names_are_refused(small):

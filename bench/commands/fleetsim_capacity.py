@@ -4,9 +4,12 @@ For each workload and fleet size, ``prefix-router fleetsim``'s search (``tools/f
 capacity.py``) finds the highest arrival rate each routing policy serves with TTFT p99 within the
 objective, and reports its token hit rate and TTFT there. The workloads:
 
-- the Mooncake traces (32 x N requests, at least 4,000; the synthetic trace's 3,993 played back to
-  back past that; an objective of 5 s, since 2 s is below what an idle replica takes to prefill
-  their longest prompts), at every size;
+- the Mooncake traces (at least 4,000 requests, and a minute of arrivals at the rate N replicas
+  would prefill every prompt whole: ~16,000 at 128 replicas, ~32,000 at 256; the synthetic trace's
+  3,993 played back to back past that; an objective of 5 s, since 2 s is below what an idle replica
+  takes to prefill their longest prompts), at every size. A shorter run measures a burst, not a
+  load the fleet sustains: with 32 requests a replica, 256 replicas took them in 4 s of arrivals,
+  the queues still growing when the run ended (docs/benchmarks.md, "Capacity at a TTFT objective");
 - coding agents (``coding_agents``: 48 x N sessions whose turns wait for their answers, contexts to
   ~40k tokens; a closed loop needs that many to load a fleet at all: with 24 a replica, this
   gateway and session hashing served every session at full pace within 2 s, where round-robin
@@ -14,7 +17,9 @@ objective, and reports its token hit rate and TTFT there. The workloads:
   128);
 - SGLang's generated shared prefix (32 x N system prompts, 16 questions each) and ``vllm bench
   serve``'s ``prefix_repetition`` (32 prefixes) and ``random`` with a shared prefix
-  (``vllm_bench_requests``; 512 x N prompts each), at 8 and 32.
+  (``vllm_bench_requests``; 512 x N prompts each), and chat sessions of one 2,000-token system
+  prompt (``one_system_prompt``: 250 x N sessions of 1-3 turns, the 2,000 of the benchmark
+  matrix at 8 replicas), at 8 and 32.
 
 A workload grows with the fleet: a fixed one is served whole at once by a big fleet, its capacity
 then unbounded and saying nothing. Short prompts with high hit rates need ~500 requests a replica
@@ -57,10 +62,15 @@ BASELINES = tuple(p for p in POLICIES if p != "prefix-router")
 CELLS = CACHE / "fleetsim-capacity" / "cells.jsonl"
 
 
+MIN_REQUESTS, SPAN_S = 4000, 60.0  # a Mooncake run's least requests, and its least arrivals' span (the docstring)
+
+
 def _mooncake(path: Path):
     def make(n: int):
-        count = max(4000, 32 * n)
-        requests = load_jobs(str(path), workload=None, limit=count, seed=0)
+        head = load_jobs(str(path), workload=None, limit=MIN_REQUESTS, seed=0)
+        tokens = sum(_prompt_tokens(r) for r in head) / len(head)
+        count = max(MIN_REQUESTS, round(SPAN_S * n * SimConfig().prefill_tokens_per_s / tokens))
+        requests = load_jobs(str(path), workload=None, limit=count, seed=0) if count > len(head) else head
         return back_to_back(requests, count) if len(requests) < count else requests
     return make
 
@@ -78,6 +88,7 @@ WORKLOADS = {
     "sglang generated-shared-prefix": (lambda n: generated_shared_prefix(groups=32 * n), OBJECTIVE_S, SMALL),
     "vllm-bench prefix-repetition": (_shape("prefix_repetition"), OBJECTIVE_S, SMALL),
     "vllm-bench random shared-prefix": (_shape("random"), OBJECTIVE_S, SMALL),
+    "one system prompt": (lambda n: one_system_prompt(sessions=250 * n), OBJECTIVE_S, SMALL),
 }
 
 
@@ -137,18 +148,31 @@ def _kept() -> dict[tuple, dict]:
     return {(c["workload"], c["replicas"], c["policy"]): c for c in read_cells(CELLS)}
 
 
-def _capacity(c: dict) -> str:
+def served_rps(c: dict) -> float | None:
+    """A cell's capacity as requests/s that came at the fastest rate served (``offered_rps``):
+    where sessions wait for their answers (coding agents) the trace's rate asked runs ahead of the
+    requests' (agents at 8 replicas: 68 asked, 32 came), and what came is what the fleet served.
+    Cells kept from before the figure was recorded are open traces, where the two are one; None
+    where unbounded."""
     if c["capacity_rps"] is None:
+        return None
+    return c.get("offered_rps") or c["capacity_rps"]
+
+
+def _capacity(c: dict) -> str:
+    rate = served_rps(c)
+    if rate is None:
         return "unbounded"
-    rate = c["capacity_rps"]
     return f"{rate:,.0f} ({c['token_hit_rate']:.2f})" if rate >= 100 else f"{rate:.3g} ({c['token_hit_rate']:.2f})"
 
 
 def _table(cells: dict, workloads: list[str], sizes: tuple[int, ...], policies: tuple[str, ...]) -> list[str]:
     """A row a workload and size: each policy's capacity (requests/s) and hit rate there, and
-    this gateway's over the best baseline's."""
-    lines = ["| workload (objective) | replicas | " + " | ".join(policies) + " | prefix-router / best baseline |",
-             "|---|---:|" + "---:|" * len(policies) + "---:|"]
+    this gateway's over the best baseline's, and how long this gateway's run at its capacity took
+    its requests in (``_span``)."""
+    lines = ["| workload (objective) | replicas | " + " | ".join(policies)
+             + " | prefix-router / best baseline | arrivals (s) |",
+             "|---|---:|" + "---:|" * len(policies) + "---:|---:|"]
     for w in workloads:
         for n in sizes:
             row = [cells.get((w, n, p)) for p in policies]
@@ -157,8 +181,16 @@ def _table(cells: dict, workloads: list[str], sizes: tuple[int, ...], policies: 
             ratio = _ratio({p: c for p, c in zip(policies, row) if c})
             objective = next(c["objective_s"] for c in row if c)
             lines.append(f"| {w} ({objective:g} s) | {n} | " + " | ".join(_capacity(c) if c else "-" for c in row)
-                         + f" | {ratio} |")
+                         + f" | {ratio} | {_span(cells.get((w, n, 'prefix-router')))} |")
     return lines
+
+
+def _span(c: dict | None) -> str:
+    """Seconds over which the run at a cell's capacity brought its requests in (requests over the
+    rate that came): a span of a few times the objective measures how a fleet drains a burst, not
+    a load it sustains, since a queue that grows without bound needs time to pass the objective."""
+    rate = served_rps(c) if c else None
+    return f"{c['requests'] / rate:,.0f}" if rate else "-"
 
 
 def _ratio(row: dict) -> str:
@@ -170,7 +202,8 @@ def _ratio(row: dict) -> str:
         return "a baseline unbounded" if ours["capacity_rps"] is not None else "all unbounded"
     if ours["capacity_rps"] is None:
         return "unbounded"
-    return f"{ours['capacity_rps'] / max(base):.2f}x" if max(base) else "-"
+    base = [served_rps(c) for p, c in row.items() if p != "prefix-router"]
+    return f"{served_rps(ours) / max(base):.2f}x" if max(base) else "-"
 
 
 def _plot(cells: dict, workloads: list[str], sizes: tuple[int, ...], policies: tuple[str, ...], out: Path) -> Path:
@@ -185,8 +218,8 @@ def _plot(cells: dict, workloads: list[str], sizes: tuple[int, ...], policies: t
     fig.suptitle("Capacity at the TTFT p99 objective against fleet size (fleet simulator)")
     for ax, w in zip(axes.flat, workloads):
         for p in policies:
-            points = [(n, cells[(w, n, p)]["capacity_rps"]) for n in sizes
-                      if (w, n, p) in cells and cells[(w, n, p)]["capacity_rps"]]
+            points = [(n, served_rps(cells[(w, n, p)])) for n in sizes
+                      if (w, n, p) in cells and served_rps(cells[(w, n, p)])]
             if points:
                 ax.plot(*zip(*points), marker="o", label=p, linewidth=2.5 if p == "prefix-router" else 1)
         ax.set(title=w, xlabel="replicas", ylabel="requests/s", xscale="log", yscale="log")
@@ -236,8 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     _plot(cells, workloads, sizes, policies, out)
     cpu = sum(c["cpu_s"] for c in cells.values())
-    lines = ["Each cell: the policy's capacity in requests/s at TTFT p99 within the objective, and its token hit "
-             "rate there; `unbounded` where the fleet served the workload whole at the fastest rate (a closed "
+    lines = ["Each cell: the policy's capacity in requests/s at TTFT p99 within the objective (the requests that "
+             "came at the fastest rate served: where sessions wait for their answers, below the rate asked, which "
+             "`results.json` keeps as `capacity_rps`), and its token hit rate there; `unbounded` where the fleet served the workload whole at the fastest rate (a closed "
              f"loop of sessions). {len(cells)} cells, {cpu:,.0f} s of CPU in all "
              f"({time.perf_counter() - started:,.0f} s of wall time this call). Precision: capacities within "
              f"a factor {2 ** (1 / 2 ** args.steps):.3f} below the true one.", "",
