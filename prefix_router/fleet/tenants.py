@@ -122,8 +122,13 @@ class Tenants:
         gateway reads would hold those blocks for ever. Raises ``IsolationError`` as ``salt``, and
         under tenants for a ``request_id`` on ``/v1/responses`` (``path``): vLLM stores the
         Response under that id (``ResponsesResponse.from_request``), so a tenant naming another's
-        id would overwrite that Response."""
+        id would overwrite that Response. Raises it too, always, for ``kv_transfer_params``:
+        the gateway's to set (``serve/disagg.py``); from a client they would make a prefill
+        replica hold blocks for a decode that never comes, or a decode replica pull blocks from
+        a host the client names (another tenant's prompt, or no vLLM at all)."""
         get = body.get
+        if get("kv_transfer_params") is not None:
+            raise IsolationError("'kv_transfer_params' is set by the gateway, not by a client", "kv_transfer_params")
         if tenant is not None and path == "/v1/responses" and get("request_id") is not None:
             raise IsolationError("'request_id' names the stored Response; under tenants the engine chooses it",
                                  "request_id")

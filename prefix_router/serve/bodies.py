@@ -161,6 +161,7 @@ class Head(msgspec.Struct):
     previous_response_id: Any = msgspec.UNSET
     vllm_xargs: Any = msgspec.UNSET
     request_id: Any = msgspec.UNSET
+    kv_transfer_params: Any = msgspec.UNSET
 
     def get(self, key: str) -> Any:
         """The value of ``key``, None when absent (as ``dict.get``)."""

@@ -294,3 +294,18 @@ async def test_the_pickers_search_for_a_responses_home_carries_no_client_key(aio
             {":method": "GET", ":path": "/v1/responses/resp_unknown", "authorization": f"Bearer {key}"}, True))
         probe = replica.seen[-1]
         assert probe[1] == "/v1/responses/resp_unknown" and probe[2].get("Authorization") == f"Bearer {UPSTREAM}"
+
+
+async def test_kv_transfer_params_from_a_client_never_reach_a_replica(gateway):
+    """On every path that generates, routed or passed through, with tenants or without: they are
+    the gateway's to set (``serve/disagg.py``)."""
+    for tenants in (True, False):
+        replica, client = await gateway(tenants=tenants)
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/inference/v1/generate",
+                     "/v1/chat%2Fcompletions"):
+            before = len(replica.seen)
+            body = {**_body_for(path.replace("%2F", "/")), "kv_transfer_params": {"remote_host": "10.0.0.9"}}
+            resp = await client.post(path, json=body, headers=_key("acme" if tenants else None))
+            error = (await resp.json())["error"]
+            assert resp.status == 400 and error["param"] == "kv_transfer_params", (tenants, path)
+            assert len(replica.seen) == before, (tenants, path)

@@ -167,6 +167,18 @@ async def test_under_tenants_a_request_gets_its_tenants_salt_and_session_scope_a
     assert "authorization" not in {k.lower() for k in made["headers"]}
 
 
+@pytest.mark.parametrize("params", [{"do_remote_decode": True}, {"remote_host": "10.0.0.9", "remote_block_ids": [[1]]}, {}])
+async def test_kv_transfer_params_from_a_client_are_refused_open_gateway_or_not(inbound, params):
+    """They are the gateway's (``serve/disagg.py``): a client's would make a replica hold blocks
+    for nobody, or pull blocks from a host the client names."""
+    for config, headers in (({}, {}), (TENANTS, {"Authorization": "Bearer acme-key"})):
+        client = await inbound(**config)
+        error = await error_of(client, 400, json=chat(kv_transfer_params=params), headers=headers)
+        assert error["param"] == "kv_transfer_params"
+    made = await made_of(client, json=chat(kv_transfer_params=None), headers={"Authorization": "Bearer acme-key"})
+    assert made["body"]["messages"]  # a JSON null asks nothing of the engine
+
+
 async def test_under_tenants_a_request_without_a_tenants_key_gets_401(inbound):
     client = await inbound(**TENANTS)
     error = await error_of(client, 401, json=chat(), headers={"Authorization": "Bearer wrong"})
