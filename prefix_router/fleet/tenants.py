@@ -50,6 +50,12 @@ def bearer(request: web.Request) -> str | None:
     return key.strip() or None if scheme.lower() == "bearer" else None
 
 
+# request keys vLLM's KV and encoder-cache connectors act on (vLLM 0.32, ``v1/request.py``)
+_TRANSFER_KEYS = ("kv_transfer_params", "ec_transfer_params")
+# ``vllm_xargs`` keys the engine reads as its own: dropped from every request (``Tenants.isolation``)
+_ENGINE_XARGS = frozenset({"kv_cache_report_mode", *_TRANSFER_KEYS})
+
+
 class IsolationError(ValueError):
     """A body the gateway cannot send upstream under the tenant's isolation; ``param``: the
     body's key at fault (the 400's ``param``)."""
@@ -116,26 +122,32 @@ class Tenants:
     def isolation(self, tenant: TenantConfig | None, body, path: str = "") -> dict:
         """The top-level keys a generating request's body gets before it goes upstream (an
         empty dict: none). ``body``: the parsed body, or its ``bodies.Head`` (anything with
-        ``get``). The tenant's salt (``salt``), and ``vllm_xargs`` without
-        ``kv_cache_report_mode``: ``"full"`` makes vLLM publish ``BlockStored`` again for every
-        block a request reuses, with no ``BlockRemoved`` to match, so the KV events every
-        gateway reads would hold those blocks for ever. Raises ``IsolationError`` as ``salt``, and
-        under tenants for a ``request_id`` on ``/v1/responses`` (``path``): vLLM stores the
+        ``get``). The tenant's salt (``salt``), and ``vllm_xargs`` without the keys the engine
+        reads as its own (``_ENGINE_XARGS``): ``kv_cache_report_mode`` ``"full"`` makes vLLM
+        publish ``BlockStored`` again for every block a request reuses, with no ``BlockRemoved``
+        to match, so the KV events every gateway reads would hold those blocks for ever; vLLM
+        copies ``kv_transfer_params`` and ``ec_transfer_params`` from ``vllm_xargs`` into the
+        request's transfer parameters as it does the top-level keys (``to_sampling_params``,
+        ``v1/request.py``), there a string or number a connector would read as a dict.
+
+        Raises ``IsolationError`` as ``salt``; always for a top-level ``kv_transfer_params`` or
+        ``ec_transfer_params``, the gateway's to set (``serve/disagg.py``): from a client they
+        would make a prefill replica hold blocks for a decode that never comes, or a decode
+        replica pull blocks from a host the client names (another tenant's prompt, or no vLLM);
+        and under tenants for a ``request_id`` on ``/v1/responses`` (``path``): vLLM stores the
         Response under that id (``ResponsesResponse.from_request``), so a tenant naming another's
-        id would overwrite that Response. Raises it too, always, for ``kv_transfer_params``:
-        the gateway's to set (``serve/disagg.py``); from a client they would make a prefill
-        replica hold blocks for a decode that never comes, or a decode replica pull blocks from
-        a host the client names (another tenant's prompt, or no vLLM at all)."""
+        id would overwrite that Response."""
         get = body.get
-        if get("kv_transfer_params") is not None:
-            raise IsolationError("'kv_transfer_params' is set by the gateway, not by a client", "kv_transfer_params")
+        for key in _TRANSFER_KEYS:
+            if get(key) is not None:
+                raise IsolationError(f"'{key}' is set by the gateway, not by a client", key)
         if tenant is not None and path == "/v1/responses" and get("request_id") is not None:
             raise IsolationError("'request_id' names the stored Response; under tenants the engine chooses it",
                                  "request_id")
         extra: dict = {}
         xargs = get("vllm_xargs")
-        if isinstance(xargs, dict) and "kv_cache_report_mode" in xargs:
-            extra["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
+        if isinstance(xargs, dict) and not _ENGINE_XARGS.isdisjoint(xargs):
+            extra["vllm_xargs"] = {k: v for k, v in xargs.items() if k not in _ENGINE_XARGS}
         if tenant is not None:
             salt = self.salt(tenant, get("cache_salt"))
             if get("cache_salt") != salt:

@@ -162,6 +162,7 @@ class Head(msgspec.Struct):
     vllm_xargs: Any = msgspec.UNSET
     request_id: Any = msgspec.UNSET
     kv_transfer_params: Any = msgspec.UNSET
+    ec_transfer_params: Any = msgspec.UNSET
 
     def get(self, key: str) -> Any:
         """The value of ``key``, None when absent (as ``dict.get``)."""

@@ -7,7 +7,7 @@ What it changes on the way (the body is otherwise passed byte for byte):
   ``cached_tokens`` in its last event (``relay.UsageFilter`` drops that event again when the
   client did not ask for it);
 - what ``tenants.Tenants.isolation`` asks of every generating request:
-  ``vllm_xargs.kv_cache_report_mode`` dropped (always); under tenants the tenant's
+  ``vllm_xargs.kv_cache_report_mode`` and the connectors' transfer parameters dropped (always); under tenants the tenant's
   ``cache_salt``, and the
   tenant's name in front of the session key, so tenants' caches and sessions never meet; the
   client's Authorization only where ``Tenants.upstream_headers`` allows it.

@@ -175,8 +175,19 @@ async def test_kv_transfer_params_from_a_client_are_refused_open_gateway_or_not(
         client = await inbound(**config)
         error = await error_of(client, 400, json=chat(kv_transfer_params=params), headers=headers)
         assert error["param"] == "kv_transfer_params"
+    error = await error_of(client, 400, json=chat(ec_transfer_params=params), headers={"Authorization": "Bearer acme-key"})
+    assert error["param"] == "ec_transfer_params"
     made = await made_of(client, json=chat(kv_transfer_params=None), headers={"Authorization": "Bearer acme-key"})
     assert made["body"]["messages"]  # a JSON null asks nothing of the engine
+
+
+async def test_the_engines_own_keys_are_dropped_from_vllm_xargs(inbound):
+    """vLLM copies ``vllm_xargs`` into the request's extra args, where its connectors read their
+    transfer parameters and its KV events their report mode (``v1/request.py``)."""
+    client = await inbound()
+    xargs = {"kv_transfer_params": "x", "ec_transfer_params": 1, "kv_cache_report_mode": "full", "mine": [1, 2]}
+    made = await made_of(client, json=chat(vllm_xargs=xargs))
+    assert json.loads(made["payload"])["vllm_xargs"] == {"mine": [1, 2]} == made["body"]["vllm_xargs"]
 
 
 async def test_under_tenants_a_request_without_a_tenants_key_gets_401(inbound):
