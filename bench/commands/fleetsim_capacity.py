@@ -5,11 +5,11 @@ capacity.py``) finds the highest arrival rate each routing policy serves with TT
 objective, and reports its token hit rate and TTFT there. The workloads:
 
 - the Mooncake traces (at least 4,000 requests, and a minute of arrivals at the rate N replicas
-  would prefill every prompt whole: ~16,000 at 128 replicas, ~32,000 at 256; the synthetic trace's
+  would prefill every prompt whole: 12,500-14,400 at 128 replicas, 25,000-28,800 at 256; the synthetic trace's
   3,993 played back to back past that; an objective of 5 s, since 2 s is below what an idle replica
   takes to prefill their longest prompts), at every size. A shorter run measures a burst, not a
   load the fleet sustains: with 32 requests a replica, 256 replicas took them in 4 s of arrivals,
-  the queues still growing when the run ended (docs/benchmarks.md, "Capacity at a TTFT objective");
+  the queues still growing when the run ended (docs/benchmarks.md, "Capacity at 8 to 256 replicas");
 - coding agents (``coding_agents``: 48 x N sessions whose turns wait for their answers, contexts to
   ~40k tokens; a closed loop needs that many to load a fleet at all: with 24 a replica, this
   gateway and session hashing served every session at full pace within 2 s, where round-robin
@@ -17,9 +17,13 @@ objective, and reports its token hit rate and TTFT there. The workloads:
   128);
 - SGLang's generated shared prefix (32 x N system prompts, 16 questions each) and ``vllm bench
   serve``'s ``prefix_repetition`` (32 prefixes) and ``random`` with a shared prefix
-  (``vllm_bench_requests``; 512 x N prompts each), and chat sessions of one 2,000-token system
-  prompt (``one_system_prompt``: 250 x N sessions of 1-3 turns, the 2,000 of the benchmark
-  matrix at 8 replicas), at 8 and 32.
+  (``vllm_bench_requests``; 512 x N prompts each), at 8 and 32.
+
+Not in the matrix: chat sessions of one 2,000-token system prompt (``one_system_prompt``, 2 s of
+thought between turns). Short questions on one cached prompt never load a fleet past what the
+sessions' own pace brings: with 1,000 sessions a replica at 8 replicas, every policy served
+510-715 requests/s within 2 s, about as fast as the sessions come however fast they start (TTFT
+p99 0.45-1.8 s; docs/benchmarks.md).
 
 A workload grows with the fleet: a fixed one is served whole at once by a big fleet, its capacity
 then unbounded and saying nothing. Short prompts with high hit rates need ~500 requests a replica
@@ -53,8 +57,7 @@ from prefix_router.tools.sim.config import SimConfig
 from .. import CACHE, RESULTS
 from ..report import command_line, write_results
 from .fleetsim_speed import back_to_back
-from ..workloads import (DEFAULT_TRACES, VllmBenchShape, coding_agents, generated_shared_prefix, one_system_prompt,
-                         vllm_bench_requests)
+from ..workloads import (DEFAULT_TRACES, VllmBenchShape, coding_agents, generated_shared_prefix, vllm_bench_requests)
 
 SIZES = (8, 32, 128, 256)
 OBJECTIVE_S, LONG_PROMPT_OBJECTIVE_S = 2.0, 5.0
@@ -88,7 +91,6 @@ WORKLOADS = {
     "sglang generated-shared-prefix": (lambda n: generated_shared_prefix(groups=32 * n), OBJECTIVE_S, SMALL),
     "vllm-bench prefix-repetition": (_shape("prefix_repetition"), OBJECTIVE_S, SMALL),
     "vllm-bench random shared-prefix": (_shape("random"), OBJECTIVE_S, SMALL),
-    "one system prompt": (lambda n: one_system_prompt(sessions=250 * n), OBJECTIVE_S, SMALL),
 }
 
 

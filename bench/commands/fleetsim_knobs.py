@@ -43,6 +43,7 @@ KNOBS = {
     "holder_slack": (1, 8),
     "match_threshold": (0.0, 0.8),
     "sole_router": (False,),
+    "prefill_queue_weight": (0.0, 0.25),
 }
 CELLS = CACHE / "fleetsim-knobs" / "cells.jsonl"
 
