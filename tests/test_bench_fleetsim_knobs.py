@@ -35,7 +35,7 @@ def test_each_knob_value_is_run_once_and_set_over_the_defaults(small):
     by = {c["knob"]: c for c in cells}
     assert all(c["capacity_rps"] and c["ttft_p99_s"] <= 0.5 for c in cells)
     readme = (out / "README.md").read_text()
-    ratio = by["load_factor"]["capacity_rps"] / by["default"]["capacity_rps"]
+    ratio = fleetsim_capacity.served_rps(by["load_factor"]) / fleetsim_capacity.served_rps(by["default"])
     assert f"| load_factor (default 1.25) | 4.0 | {ratio:.2f} (" in readme
     before = command.CELLS.read_text()
     assert command.main(argv) == 0 and command.CELLS.read_text() == before  # kept cells are not run again
