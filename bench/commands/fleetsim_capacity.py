@@ -5,8 +5,8 @@ capacity.py``) finds the highest arrival rate each routing policy serves with TT
 objective, and reports its token hit rate and TTFT there. The workloads:
 
 - the Mooncake traces (at least 4,000 requests, and a minute of arrivals at the rate N replicas
-  would prefill every prompt whole: 12,500-14,400 at 128 replicas, 25,000-28,800 at 256; the synthetic trace's
-  3,993 played back to back past that; an objective of 5 s, since 2 s is below what an idle replica
+  would prefill every prompt whole: 12,500-14,400 at 128 replicas, 25,000-28,800 at 256; the
+  synthetic trace's 3,993 played back to back past that; an objective of 5 s, since 2 s is below what an idle replica
   takes to prefill their longest prompts), at every size. A shorter run measures a burst, not a
   load the fleet sustains: with 32 requests a replica, 256 replicas took them in 4 s of arrivals,
   the queues still growing when the run ended (docs/benchmarks.md, "Capacity at 8 to 256 replicas");
@@ -30,7 +30,8 @@ then unbounded and saying nothing. Short prompts with high hit rates need ~500 r
 before a fleet misses a 2 s objective at all, so those workloads stop at 32 replicas here (at 1 ms
 of CPU a request, 256 replicas would take ~2 minutes a run). Every run is virtual time: figures
 are the same on any machine; the CPU seconds are this one's. Finished cells are kept in ``.cache/fleetsim-capacity/
-cells.jsonl`` and not run again unless ``--fresh``.
+cells.jsonl`` and not run again unless ``--fresh`` (needed too after a change to a workload's size:
+a kept cell is known by workload, fleet size and policy only).
 
     python -m bench fleetsim-capacity [--sizes 8,32,128,256] [--workloads NAME,...] [--jobs 2]
 
@@ -273,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu = sum(c["cpu_s"] for c in cells.values())
     lines = ["Each cell: the policy's capacity in requests/s at TTFT p99 within the objective (the requests that "
              "came at the fastest rate served: where sessions wait for their answers, below the rate asked, which "
-             "`results.json` keeps as `capacity_rps`), and its token hit rate there; `unbounded` where the fleet served the workload whole at the fastest rate (a closed "
+             "`results.json` keeps as `capacity_rps`), and its token hit rate there; `unbounded` where the fleet "
+             "served the workload whole at the fastest rate (a closed "
              f"loop of sessions). {len(cells)} cells, {cpu:,.0f} s of CPU in all "
              f"({time.perf_counter() - started:,.0f} s of wall time this call). Precision: capacities within "
              f"a factor {2 ** (1 / 2 ** args.steps):.3f} below the true one.", "",

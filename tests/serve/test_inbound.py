@@ -167,7 +167,8 @@ async def test_under_tenants_a_request_gets_its_tenants_salt_and_session_scope_a
     assert "authorization" not in {k.lower() for k in made["headers"]}
 
 
-@pytest.mark.parametrize("params", [{"do_remote_decode": True}, {"remote_host": "10.0.0.9", "remote_block_ids": [[1]]}, {}])
+@pytest.mark.parametrize("params", [{"do_remote_decode": True}, {"remote_host": "10.0.0.9", "remote_block_ids": [[1]]},
+                                    {}])
 async def test_kv_transfer_params_from_a_client_are_refused_open_gateway_or_not(inbound, params):
     """They are the gateway's (``serve/disagg.py``): a client's would make a replica hold blocks
     for nobody, or pull blocks from a host the client names."""
@@ -175,9 +176,10 @@ async def test_kv_transfer_params_from_a_client_are_refused_open_gateway_or_not(
         client = await inbound(**config)
         error = await error_of(client, 400, json=chat(kv_transfer_params=params), headers=headers)
         assert error["param"] == "kv_transfer_params"
-    error = await error_of(client, 400, json=chat(ec_transfer_params=params), headers={"Authorization": "Bearer acme-key"})
+    acme = {"Authorization": "Bearer acme-key"}
+    error = await error_of(client, 400, json=chat(ec_transfer_params=params), headers=acme)
     assert error["param"] == "ec_transfer_params"
-    made = await made_of(client, json=chat(kv_transfer_params=None), headers={"Authorization": "Bearer acme-key"})
+    made = await made_of(client, json=chat(kv_transfer_params=None), headers=acme)
     assert made["body"]["messages"]  # a JSON null asks nothing of the engine
 
 
