@@ -128,7 +128,9 @@ class Tenants:
         to match, so the KV events every gateway reads would hold those blocks for ever; vLLM
         copies ``kv_transfer_params`` and ``ec_transfer_params`` from ``vllm_xargs`` into the
         request's transfer parameters as it does the top-level keys (``to_sampling_params``,
-        ``v1/request.py``), there a string or number a connector would read as a dict.
+        ``v1/request.py``), there a string or number a connector would read as a dict; the same
+        keys leave ``sampling_params.extra_args`` (``/inference/v1/generate`` passes it to the
+        engine as it came).
 
         Raises ``IsolationError`` as ``salt``; always for a top-level ``kv_transfer_params`` or
         ``ec_transfer_params``, the gateway's to set (``serve/disagg.py``): from a client they
@@ -148,6 +150,11 @@ class Tenants:
         xargs = get("vllm_xargs")
         if isinstance(xargs, dict) and not _ENGINE_XARGS.isdisjoint(xargs):
             extra["vllm_xargs"] = {k: v for k, v in xargs.items() if k not in _ENGINE_XARGS}
+        sampling = get("sampling_params")  # /inference/v1/generate takes the engine's extra args as they are
+        own = sampling.get("extra_args") if isinstance(sampling, dict) else None
+        if isinstance(own, dict) and not _ENGINE_XARGS.isdisjoint(own):
+            kept = {k: v for k, v in own.items() if k not in _ENGINE_XARGS}
+            extra["sampling_params"] = {**sampling, "extra_args": kept}
         if tenant is not None:
             salt = self.salt(tenant, get("cache_salt"))
             if get("cache_salt") != salt:

@@ -163,6 +163,7 @@ class Head(msgspec.Struct):
     request_id: Any = msgspec.UNSET
     kv_transfer_params: Any = msgspec.UNSET
     ec_transfer_params: Any = msgspec.UNSET
+    sampling_params: Any = msgspec.UNSET  # /inference/v1/generate's, where extra_args reach the engine
 
     def get(self, key: str) -> Any:
         """The value of ``key``, None when absent (as ``dict.get``)."""
@@ -180,7 +181,7 @@ _HEAD = msgspec.json.Decoder(Head)
 def head_of(raw: bytes) -> Head | None:
     """The ``Head`` of a JSON object body; None when ``raw`` is not one (not JSON, not an
     object, or what msgspec refuses: NaN, lone surrogates). msgspec validates the whole text
-    but builds only the four values."""
+    but builds only the values of ``Head``'s fields."""
     try:
         return _HEAD.decode(raw)
     except (msgspec.DecodeError, RecursionError):

@@ -49,29 +49,37 @@ def unsplittable(body: dict[str, Any], path: str) -> str | None:
     any other is not split). ``n`` above 1 and a list of several prompts are not split: the
     engine answers with one child's ``kv_transfer_params`` only (``RequestOutput.add`` keeps the
     last; a list's first), so the other children's blocks stay held until the lease ends and
-    the decode children pull the same blocks (tried on vLLM 0.32, CPU build)."""
+    the decode children pull the same blocks (tried on vLLM 0.32, CPU build). Nor is a Response
+    continuing a ``previous_response_id``: its history is stored on the replica that made it."""
     if path not in _LIMITS:
         return f"{path} is not split into prefill and decode"
-    n = body.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+    if body.get("n") not in (None, 1):  # vLLM reads "2" and 2.0 as 2
         return "n > 1: the engine hands one transfer over per request"
     prompt = body.get("prompt") if path == COMPLETIONS else None
     if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt):
         return "a list of prompts: the engine hands one transfer over per request"
+    embeds = body.get("prompt_embeds")
+    if isinstance(embeds, list) and len(embeds) > 1:
+        return "a list of prompt embeddings: the engine hands one transfer over per request"
     if body.get("use_beam_search"):
         return "beam search runs several sequences"
+    if path == RESPONSES and body.get("previous_response_id") is not None:
+        return "a continued Response: its history is stored on one replica"
     return None
 
 
 def prefill_body(body: dict[str, Any], path: str) -> dict[str, Any]:
     """The prefill leg's body: a shallow copy of the client's ``body`` for ``path`` (one that
-    ``unsplittable`` splits) with ``PREFILL_PARAMS``, ``stream`` false, the API's token limits
+    ``unsplittable`` splits) with ``PREFILL_PARAMS``, ``stream`` false (for Responses also
+    ``store`` and ``background``: vLLM 0.32 stores a Response by default), the API's token limits
     at 1 (``max_completion_tokens`` only where sent) and what would change that one token or
     stream it dropped (``stream_options``, ``min_tokens``, ``min_completion_tokens``). Raises
     KeyError for a path that is not split."""
     out = {k: v for k, v in body.items() if k not in _DROPPED}
     out[TRANSFER_KEY] = dict(PREFILL_PARAMS)
     out["stream"] = False
+    if path == RESPONSES:  # a one-token Response is not to be stored, nor answered before it is made
+        out["store"], out["background"] = False, False
     for i, limit in enumerate(_LIMITS[path]):
         if i == 0 or limit in body:
             out[limit] = 1

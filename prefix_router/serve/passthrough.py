@@ -48,7 +48,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from prefix_router.serve.bodies import Head, head_of, read_body, shape_refusal
+from prefix_router.serve.bodies import Head, head_of, loads, read_body, shape_refusal
 from prefix_router.endpoints import Kind, kind_of, stored_id
 from prefix_router.errors import error_body, openai_error, response_not_found
 from prefix_router.serve.forward import breaker_record
@@ -112,16 +112,34 @@ def isolated(gw: Gateway, tenant, raw: bytes, head: Head | None, path: str) -> b
     """A generating request's body to ``path`` with ``Tenants.isolation``'s changes (``raw``
     itself when there are none), or the 400 to answer: under tenants a body that is not a JSON
     object msgspec reads (no salt can be set in it: vLLM would read NaN, say, and generate),
-    or one ``isolation`` refuses."""
+    or one ``isolation`` refuses. An open gateway passes such a body on as it came (the replica
+    answers a broken one itself) unless Python's JSON, as vLLM reads it, finds in it what
+    ``isolation`` refuses or drops."""
     if head is None:
-        if tenant is None:
-            return raw  # the replica answers a broken body itself
+        if tenant is None and not _asks_the_engine(raw, gw, path):
+            return raw
         return openai_error(400, "request body must be a JSON object", "body")
     try:
         extra = gw.tenants.isolation(tenant, head, path)
     except IsolationError as exc:
         return openai_error(400, str(exc), exc.param)
     return patched(raw, None, extra, keys=head.sent()) if extra else raw
+
+
+def _asks_the_engine(raw: bytes, gw: Gateway, path: str) -> bool:
+    """Whether a body msgspec could not read is one ``Tenants.isolation`` would refuse or change
+    (a connector's transfer parameters, an engine key in ``vllm_xargs``), read as vLLM reads it
+    (Python's JSON takes NaN and lone surrogates)."""
+    try:
+        body = loads(raw)
+    except (ValueError, RecursionError):
+        return False
+    if not isinstance(body, dict):
+        return False
+    try:
+        return bool(gw.tenants.isolation(None, body, path))
+    except IsolationError:
+        return True
 
 
 def _candidates(gw: Gateway, head: Head | None) -> list[ReplicaState]:

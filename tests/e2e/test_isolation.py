@@ -309,3 +309,26 @@ async def test_kv_transfer_params_from_a_client_never_reach_a_replica(gateway):
             error = (await resp.json())["error"]
             assert resp.status == 400 and error["param"] == "kv_transfer_params", (tenants, path)
             assert len(replica.seen) == before, (tenants, path)
+
+
+async def test_the_engines_own_keys_do_not_ride_in_by_a_body_msgspec_cannot_read_or_in_extra_args(gateway):
+    """An open gateway passes a body msgspec cannot read (NaN, a lone surrogate) on as it came,
+    but not one that carries what isolation refuses; ``/inference/v1/generate`` hands
+    ``sampling_params.extra_args`` to the engine as it came, so the engine's keys leave it."""
+    replica, client = await gateway(tenants=False)
+    before = len(replica.seen)
+    for raw in (b'{"model":"m","prompt":"x","temperature":NaN,"kv_transfer_params":{"remote_host":"h"}}',
+                b'{"model":"m","prompt":"\\ud800","vllm_xargs":{"kv_transfer_params":"x"}}'):
+        resp = await client.post("/inference/v1/generate", data=raw, headers={"Content-Type": "application/json"})
+        assert resp.status == 400, raw
+    assert len(replica.seen) == before
+    resp = await client.post("/inference/v1/generate", data=b'{"model":"m","prompt":"x","temperature":NaN}',
+                             headers={"Content-Type": "application/json"})
+    assert resp.status == 200 and replica.seen[-1][3] == b'{"model":"m","prompt":"x","temperature":NaN}'
+    body = {"model": MODEL, "token_ids": [1, 2, 3],
+            "sampling_params": {"max_tokens": 2, "extra_args": {"kv_transfer_params": {"remote_host": "h"},
+                                                                "kv_cache_report_mode": "full", "mine": 1}}}
+    resp = await client.post("/inference/v1/generate", json=body)
+    assert resp.status == 200
+    sent = json.loads(replica.seen[-1][3])
+    assert sent["sampling_params"] == {"max_tokens": 2, "extra_args": {"mine": 1}}

@@ -21,6 +21,9 @@ def test_the_prefill_leg_asks_for_one_token_unstreamed_and_holds_the_blocks_for_
     body = _chat(max_completion_tokens=64, min_completion_tokens=4)
     before = copy.deepcopy(body)
     leg = prefill_body(body, CHAT)
+    # vLLM's toy_proxy_server.py, literally: a change to the module's constant must show here
+    assert leg[TRANSFER_KEY] == {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
     assert leg[TRANSFER_KEY] == PREFILL_PARAMS and leg[TRANSFER_KEY] is not PREFILL_PARAMS
     assert leg["stream"] is False and leg["max_tokens"] == 1 and leg["max_completion_tokens"] == 1
     for dropped in ("stream_options", "min_tokens", "min_completion_tokens"):
@@ -35,6 +38,7 @@ def test_each_api_limits_its_own_token_count():
     assert leg["max_tokens"] == 1 and "max_completion_tokens" not in leg
     leg = prefill_body({"model": "m", "input": "hi", "max_output_tokens": 500, "stream": True}, RESPONSES)
     assert leg["max_output_tokens"] == 1 and "max_tokens" not in leg and leg["stream"] is False
+    assert leg["store"] is False and leg["background"] is False  # vLLM would store it, or answer at once
     with pytest.raises(KeyError):
         prefill_body({"model": "m"}, "/v1/messages")
 
@@ -58,7 +62,9 @@ def test_without_parameters_the_decode_replica_computes_the_prompt_and_nothing_o
 
 
 @pytest.mark.parametrize("body, path, reason", [
-    ({"n": 2}, CHAT, "n > 1"),
+    ({"n": 2}, CHAT, "n > 1"), ({"n": "2"}, CHAT, "n > 1"), ({"n": 2.0}, COMPLETIONS, "n > 1"),
+    ({"prompt_embeds": ["e1", "e2"]}, COMPLETIONS, "prompt embeddings"),
+    ({"input": "x", "previous_response_id": "resp_1"}, RESPONSES, "continued Response"),
     ({"prompt": ["a", "b"]}, COMPLETIONS, "a list of prompts"),
     ({"prompt": [[1, 2], [3, 4]]}, COMPLETIONS, "a list of prompts"),
     ({"use_beam_search": True}, COMPLETIONS, "beam search"),
@@ -69,7 +75,7 @@ def test_what_one_transfer_cannot_carry_goes_whole_to_one_replica(body, path, re
 
 
 @pytest.mark.parametrize("body, path", [
-    ({"n": 1, "messages": []}, CHAT), ({"n": True}, CHAT), ({"prompt": [1, 2, 3]}, COMPLETIONS),
+    ({"n": 1, "messages": []}, CHAT), ({"n": None}, CHAT), ({"prompt": [1, 2, 3]}, COMPLETIONS),
     ({"prompt": ["one"]}, COMPLETIONS), ({"prompt": "p"}, COMPLETIONS), ({"input": "x"}, RESPONSES),
 ])
 def test_one_prompt_one_sequence_is_split(body, path):
