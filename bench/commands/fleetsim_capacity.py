@@ -8,12 +8,12 @@ objective, and reports its token hit rate and TTFT there. The workloads:
   would prefill every prompt whole: 12,500-14,400 at 128 replicas, 25,000-28,800 at 256; the
   synthetic trace's 3,993 played back to back past that; an objective of 5 s, since 2 s is below what an idle replica
   takes to prefill their longest prompts), at every size. A shorter run measures a burst, not a
-  load the fleet sustains: with 32 requests a replica, 256 replicas took them in 4 s of arrivals,
+  load the fleet sustains: with 32 requests a replica, 256 replicas took them in 4-9 s of arrivals,
   the queues still growing when the run ended (docs/benchmarks.md, "Capacity at 8 to 256 replicas");
 - coding agents (``coding_agents``: 48 x N sessions whose turns wait for their answers, contexts to
   ~40k tokens; a closed loop needs that many to load a fleet at all: with 24 a replica, this
   gateway and session hashing served every session at full pace within 2 s, where round-robin
-  reached 2 s at 17 req/s on 8 replicas), at 8, 32 and 128 (about 20 minutes of CPU a policy at
+  reached 2 s at 17 req/s on 8 replicas), at 8, 32 and 128 (23-29 minutes of CPU a policy at
   128);
 - SGLang's generated shared prefix (32 x N system prompts, 16 questions each) and ``vllm bench
   serve``'s ``prefix_repetition`` (32 prefixes) and ``random`` with a shared prefix
