@@ -116,9 +116,12 @@ def isolated(gw: Gateway, tenant, raw: bytes, head: Head | None, path: str) -> b
     answers a broken one itself) unless Python's JSON, as vLLM reads it, finds in it what
     ``isolation`` refuses or drops."""
     if head is None:
-        if tenant is None and not _asks_the_engine(raw, gw, path):
-            return raw
-        return openai_error(400, "request body must be a JSON object", "body")
+        if tenant is not None:
+            return openai_error(400, "request body must be a JSON object", "body")
+        if _asks_the_engine(raw, gw, path):
+            return openai_error(400, "request body sets what only the gateway may (a connector's transfer parameters, "
+                                "or the engine's own keys in vllm_xargs or sampling_params.extra_args)", "body")
+        return raw
     try:
         extra = gw.tenants.isolation(tenant, head, path)
     except IsolationError as exc:
