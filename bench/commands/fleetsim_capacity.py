@@ -6,8 +6,8 @@ objective, and reports its token hit rate and TTFT there. The workloads:
 
 - the Mooncake traces (at least 4,000 requests, and a minute of arrivals at the rate N replicas
   would prefill every prompt whole: 12,500-14,400 at 128 replicas, 25,000-28,800 at 256; the
-  synthetic trace's 3,993 played back to back past that; an objective of 5 s, since 2 s is below what an idle replica
-  takes to prefill their longest prompts), at every size. A shorter run measures a burst, not a
+  synthetic trace's 3,993 played back to back past that; an objective of 5 s, since 2 s is below
+  what an idle replica takes to prefill their longest prompts), at every size. A shorter run measures a burst, not a
   load the fleet sustains: with 32 requests a replica, 256 replicas took them in 4-9 s of arrivals,
   the queues still growing when the run ended (docs/benchmarks.md, "Capacity at 8 to 256 replicas");
 - coding agents (``coding_agents``: 48 x N sessions whose turns wait for their answers, contexts to
@@ -198,14 +198,13 @@ def _span(c: dict | None) -> str:
 
 def _ratio(row: dict) -> str:
     ours = row.get("prefix-router")
-    base = [c["capacity_rps"] for p, c in row.items() if p != "prefix-router"]
+    base = [served_rps(c) for p, c in row.items() if p != "prefix-router"]  # None: unbounded
     if ours is None or not base:
         return "-"
     if any(b is None for b in base):
         return "a baseline unbounded" if ours["capacity_rps"] is not None else "all unbounded"
     if ours["capacity_rps"] is None:
         return "unbounded"
-    base = [served_rps(c) for p, c in row.items() if p != "prefix-router"]
     return f"{served_rps(ours) / max(base):.2f}x" if max(base) else "-"
 
 
