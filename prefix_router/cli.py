@@ -45,6 +45,10 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
                    help="publish KV cache events as vLLM does, e.g. "
                         "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
                         "\"replay_endpoint\": \"tcp://*:5558\"}'")
+    p.add_argument("--kv-transfer-config", type=json.loads, default=None, metavar="JSON",
+                   help="play one role of a disaggregated fleet as vLLM's NixlConnector does, e.g. "
+                        "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_producer\"}' (prefill) "
+                        "or \"kv_consumer\" (decode)")
     p.set_defaults(func=_run_sim)
 
 
@@ -63,7 +67,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         max_model_len=max_model_len, prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_ms_per_token=args.decode_ms_per_token, time_scale=args.time_scale,
         default_max_tokens=args.default_max_tokens, tokenizer=args.tokenizer, seed=args.seed,
-        kv_events=args.kv_events_config,
+        kv_events=args.kv_events_config, kv_transfer=args.kv_transfer_config,
     )
     try:
         app = create_app(config, load_tokenizer(args.tokenizer))
@@ -113,6 +117,11 @@ def _gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML configuration (see configs/)")
     p.add_argument("--replica", action="append", default=None, metavar="URL",
                    help="replica base URL, repeatable (replaces the configured list)")
+    p.add_argument("--prefill", action="append", default=None, metavar="URL",
+                   help="a prefill replica of a disaggregated fleet (vLLM kv_role kv_producer), repeatable; "
+                        "with --decode, replaces the configured list")
+    p.add_argument("--decode", action="append", default=None, metavar="URL",
+                   help="a decode replica of a disaggregated fleet (kv_role kv_consumer), repeatable")
     p.add_argument("--host", default=None, help="address to listen on (default 0.0.0.0, or the config's host)")
     p.add_argument("--port", type=int, default=None, help="port to listen on (default 8080, or the config's port)")
     p.add_argument("--policy", default=None, choices=POLICIES)
@@ -122,6 +131,9 @@ def _gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--discover", default=None, metavar="DNS_NAME",
                    help="also take as replicas every address this name resolves to, e.g. the "
                         "headless Service of the vLLM pods (discovery.dns)")
+    p.add_argument("--discover-prefill", default=None, metavar="DNS_NAME",
+                   help="take every address this name resolves to as a prefill replica of a disaggregated "
+                        "fleet (discovery.prefill_dns); --discover then names the decode replicas")
     p.add_argument("--request-log", default=None, metavar="FILE",
                    help="append one JSON line per request (routing and cache outcome, no prompt text)")
     p.add_argument("--request-log-bodies", action="store_true", default=None,
@@ -169,7 +181,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     name = "prefix-router serve" if args.grpc_port is None else "prefix-router epp"
     try:
         config = load_config(args.config, overrides=_serve_overrides(args))
-        if not config.replicas and not config.discovery.dns:
+        if not config.replicas and not config.discovery.dns and not config.discovery.prefill_dns:
             raise ConfigError("replicas: at least one replica is needed (--replica URL, --discover DNS_NAME "
                               "or the config file)")
         worker = worker_index()
@@ -219,12 +231,13 @@ def _serve_overrides(args: argparse.Namespace) -> dict:
     for key in ("host", "port", "tokenizer", "request_log", "request_log_bodies", "request_log_blocks", "workers"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
-    if args.replica:
-        overrides["replicas"] = list(args.replica)
+    if args.replica or args.prefill or args.decode:
+        overrides["replicas"] = [*(args.replica or []), *({"url": u, "role": "prefill"} for u in args.prefill or ()),
+                                 *({"url": u, "role": "decode"} for u in args.decode or ())]
     if args.policy:
         overrides["routing"] = {"policy": args.policy}
-    if args.discover:
-        overrides["discovery"] = {"dns": args.discover}
+    if args.discover or args.discover_prefill:
+        overrides["discovery"] = {k: v for k, v in (("dns", args.discover), ("prefill_dns", args.discover_prefill)) if v}
     return overrides
 
 
@@ -233,8 +246,11 @@ def _banner(config, grpc_port: int | None, workers: bool) -> str:
     what = (f"prefix-router endpoint picker: gRPC (Envoy ext_proc) on {config.host}:{grpc_port}, metrics and views"
             if grpc_port is not None else "prefix-router gateway")
     n = len(config.replicas)
-    return (f"{what} on http://{config.host}:{config.port} ({config.routing.policy}, {n} replica{'' if n == 1 else 's'}"
+    prefill = sum(r.role == "prefill" for r in config.replicas)
+    pools = f"{prefill} prefill and {n - prefill} decode replicas" if prefill else f"{n} replica{'' if n == 1 else 's'}"
+    return (f"{what} on http://{config.host}:{config.port} ({config.routing.policy}, {pools}"
             + (f", discovering {config.discovery.dns}" if config.discovery.dns else "")
+            + (f", prefill replicas from {config.discovery.prefill_dns}" if config.discovery.prefill_dns else "")
             + (f", {config.workers} workers" if workers else "") + ")")
 
 

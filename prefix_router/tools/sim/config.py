@@ -56,6 +56,10 @@ class SimConfig:
     # "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "", "buffer_steps":
     # 10000}; None or disabled: no events (prefix_router/tools/sim/kv_events.py)
     kv_events: dict | None = None
+    # vLLM's --kv-transfer-config: {"kv_connector": "NixlConnector", "kv_role": "kv_producer" |
+    # "kv_consumer" | "kv_both"} for a replica of a disaggregated fleet; None: no connector
+    # (prefix_router/tools/sim/kv_transfer.py)
+    kv_transfer: dict | None = None
 
     def validate(self) -> SimConfig:
         """Return self, or raise ValueError naming the first field out of range."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from prefix_router.prompts.responses import responses_prompt
 from prefix_router.tools.sim.config import SimConfig
 
-__all__ = ["ApiError", "CompletionParams", "parse_completion", "parse_chat", "parse_tokenize"]
+__all__ = ["ApiError", "CompletionParams", "parse_chat", "parse_completion", "parse_responses", "parse_tokenize"]
 
 
 class ApiError(Exception):
@@ -36,6 +37,8 @@ class CompletionParams:
     include_usage: bool
     cache_salt: str | None
     add_special_tokens: bool
+    n: int = 1  # sequences generated from the one prompt
+    kv_transfer_params: dict | None = None  # a disaggregated fleet's leg (sim/kv_transfer.py)
 
 
 def _typed(body: dict, key: str, kind: type | tuple, default: Any = None) -> Any:
@@ -62,8 +65,8 @@ def _common(body: dict, config: SimConfig, *, chat: bool) -> CompletionParams:
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
     n = _typed(body, "n", int, 1)
-    if n != 1:
-        raise ApiError("the simulator serves n=1 only", param="n")
+    if n < 1:
+        raise ApiError(f"n must be at least 1, got {n}.", param="n")
     stream = _typed(body, "stream", bool, False)
     options = _typed(body, "stream_options", dict, {})
     include_usage = _typed(options, "include_usage", bool, False)
@@ -73,7 +76,8 @@ def _common(body: dict, config: SimConfig, *, chat: bool) -> CompletionParams:
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ApiError("Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
     add_special = _typed(body, "add_special_tokens", bool, not chat)
-    return CompletionParams(model, max_tokens, stream, include_usage, salt, add_special)
+    transfer = _typed(body, "kv_transfer_params", dict, None)
+    return CompletionParams(model, max_tokens, stream, include_usage, salt, add_special, n, transfer)
 
 
 def _prompt(body: dict) -> str | list[int]:
@@ -112,6 +116,18 @@ def _chat_args(body: dict) -> dict:
 def parse_chat(body: dict, config: SimConfig) -> tuple[CompletionParams, dict]:
     """``/v1/chat/completions``: parameters and keyword arguments for ``render_chat``."""
     return _common(body, config, chat=True), _chat_args(body)
+
+
+def parse_responses(body: dict, config: SimConfig, history: list[dict] | None
+                    ) -> tuple[CompletionParams, bool, dict]:
+    """``/v1/responses``: parameters (``max_output_tokens`` as the limit; no ``n``, no stream
+    options), whether to store the response (vLLM's default: yes), and the keyword arguments
+    for ``render_chat`` of the chat vLLM renders it as after ``history`` (``prompts/responses.py``)."""
+    common = {k: v for k, v in body.items() if k in ("model", "stream", "cache_salt", "kv_transfer_params")}
+    params = _common({**common, "max_tokens": _typed(body, "max_output_tokens", int)}, config, chat=True)
+    if not isinstance(body.get("input"), (str, list)):
+        raise ApiError("'input' must be a string or a list of input items", param="input")
+    return params, _typed(body, "store", bool, True), _chat_args(responses_prompt(body, history))
 
 
 def parse_tokenize(body: dict, config: SimConfig) -> tuple[str, dict]:

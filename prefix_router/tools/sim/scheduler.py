@@ -41,13 +41,18 @@ class SimRequest:
         model: requested model name; with ``cache_salt`` it seeds the first block's hash.
         cache_salt: optional tenant salt (vLLM: only requests with the same salt share blocks).
         arrival_s: modelled time the request entered the engine, in seconds.
+
+    A KV connector (``kv_transfer.py``) sets two more: ``num_external_tokens``, prompt tokens a
+    decode replica pulled from a prefill replica (computed without prefill work, as vLLM's
+    ``get_num_new_matched_tokens`` reports them), and ``hold_blocks``, a prefill leg whose
+    blocks stay held when it finishes, for a decode replica to pull (``Scheduler.held``).
     """
 
     __slots__ = (
         "request_id", "token_ids", "num_prompt_tokens", "max_tokens", "block_hashes",
         "blocks", "num_computed_tokens", "num_cached_blocks", "num_cached_tokens",
         "num_preemptions", "arrival_s", "first_token_s", "finish_s", "finish_reason",
-        "seed", "on_update", "model", "cache_salt",
+        "seed", "on_update", "model", "cache_salt", "num_external_tokens", "hold_blocks",
     )
 
     def __init__(
@@ -78,6 +83,8 @@ class SimRequest:
         self.finish_s: float | None = None
         self.finish_reason: str | None = None  # "length" or "abort"
         self.on_update = None  # callable(), set by whoever streams the output; the engine calls it
+        self.num_external_tokens = 0
+        self.hold_blocks = False
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +128,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # computed prompt tokens (prefill work, hits excluded)
         self.num_generation_tokens = 0
+        # finished prefill legs' blocks, by request id, until a decode pulls them or the lease ends
+        self.held: dict[str, list[Block]] = {}
 
     @property
     def has_work(self) -> bool:
@@ -179,14 +188,19 @@ class Scheduler:
             request = self.waiting[0]
             hit = kv.find_longest_cache_hit(request.block_hashes, request.num_tokens)
             num_hit = len(hit) * cfg.block_size
-            num_new = min(request.num_tokens - num_hit, budget)
-            if not kv.allocate(request.blocks, hit, num_hit + num_new):
+            # pulled tokens past the local hit; the last prompt token is always computed (vLLM
+            # recomputes it for its logits: ``_update_waiting_for_remote_kv``)
+            external = max(min(request.num_external_tokens, request.num_tokens - 1) - num_hit, 0)
+            num_new = min(request.num_tokens - num_hit - external, budget)
+            if not kv.allocate(request.blocks, hit, num_hit + external + num_new):
                 break
             self.waiting.popleft()
             if request.num_preemptions == 0:
                 kv.record_query(request.num_tokens, num_hit)
-                request.num_cached_tokens = num_hit
+                request.num_cached_tokens = num_hit + external  # vLLM counts pulled tokens as cached
                 step.admitted.append(request)
+            request.num_external_tokens = 0  # a preempted request recomputes everything
+            num_hit += external
             request.num_computed_tokens = num_hit
             request.num_cached_blocks = len(hit)
             self.running.append(request)
@@ -306,8 +320,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def release_held(self, request_id: str) -> list[BlockHash] | None:
+        """Free a finished prefill leg's held blocks (pulled, or its lease ended): their hashes
+        (None for a block not full), or None when none are held under ``request_id``."""
+        blocks = self.held.pop(request_id, None)
+        if blocks is None:
+            return None
+        self.kv.free(blocks)
+        return [b.block_hash for b in blocks]
+
     def _finish(self, request: SimRequest, reason: str, now_s: float) -> None:
-        self.kv.free(request.blocks)
+        if request.hold_blocks and reason == "length":
+            self.held[request.request_id] = request.blocks
+        else:
+            self.kv.free(request.blocks)
         request.blocks = []
         request.finish_reason = reason
         request.finish_s = now_s

@@ -1,11 +1,14 @@
 """The simulated replica's HTTP API, shaped like vLLM 0.32's OpenAI server.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``,
-``stream_options.include_usage`` and ``usage.prompt_tokens_details.cached_tokens``),
-``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``GET /metrics``,
-``POST /reset_prefix_cache``. Response bodies, SSE framing (``data: {...}\\n\\n`` events,
+``stream_options.include_usage``, ``n`` and ``usage.prompt_tokens_details.cached_tokens``),
+``POST /v1/responses`` (``store`` and ``previous_response_id`` too), ``GET /v1/models``,
+``GET /health``, ``POST /tokenize``, ``GET /metrics``, ``POST /reset_prefix_cache``, and with a KV
+connector (``--kv-transfer-config``) ``POST /sim/kv_pull``, where a decode replica pulls a prefill
+leg's blocks (``kv_transfer.py``). Response bodies, SSE framing (``data: {...}\\n\\n`` events,
 then ``data: [DONE]``) and error bodies (``{"error": {"message", "type", "param", "code"}}``)
-were copied from a running vLLM CPU replica. Bad input gets a 400 (unknown model: 404), never a 5xx.
+were copied from a running vLLM CPU replica (``answers.py``). Bad input gets a 400 (unknown model:
+404), never a 5xx; a decode whose prefill replica is gone gets vLLM's 500.
 
 One difference by design: when a stream falls behind the engine, the tokens generated since
 its last write go out as one SSE event (vLLM sends one event per engine step). Clients see the
@@ -25,6 +28,7 @@ import itertools
 import json
 import time
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -32,7 +36,13 @@ from prefix_router.errors import openai_error
 from prefix_router.prompts.tokenizer import ChatFormatError, PromptTokenizer
 from prefix_router.tools.sim.config import SimConfig
 from prefix_router.tools.sim.engine import Engine
-from prefix_router.tools.sim.requests import ApiError, CompletionParams, parse_chat, parse_completion, parse_tokenize
+from collections import OrderedDict
+
+from prefix_router.cache.blocks import extend_block_hashes, seed_hash
+from prefix_router.tools.sim.answers import CHAT, COMPLETION, RESPONSES, Answer
+from prefix_router.tools.sim.kv_transfer import Connector, ConnectorMetrics
+from prefix_router.tools.sim.requests import (ApiError, CompletionParams, parse_chat, parse_completion,
+                                              parse_responses, parse_tokenize)
 from prefix_router.tools.sim.scheduler import SimRequest
 
 __all__ = ["create_app", "ENGINE", "TOKENIZER"]
@@ -40,6 +50,11 @@ __all__ = ["create_app", "ENGINE", "TOKENIZER"]
 ENGINE = web.AppKey("engine", Engine)
 TOKENIZER = web.AppKey("tokenizer", object)
 CONFIG = web.AppKey("config", SimConfig)
+CONNECTOR = web.AppKey("connector", Connector)
+STORED = web.AppKey("stored", OrderedDict)  # Responses stored: id -> the messages a continuation sees
+
+_PREFIX = {COMPLETION: "cmpl-", CHAT: "chatcmpl-", RESPONSES: "resp_"}
+_MAX_STORED = 10_000  # stored Responses kept, oldest forgotten first (vLLM keeps all in memory)
 
 _ids = itertools.count()
 
@@ -60,15 +75,6 @@ async def _read_json(request: web.Request) -> dict:
     return body
 
 
-def _usage(req: SimRequest) -> dict:
-    return {
-        "prompt_tokens": req.num_prompt_tokens,
-        "total_tokens": req.num_tokens,
-        "completion_tokens": req.num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": req.num_cached_tokens or 0},
-    }
-
-
 class _Stream:
     """Wakes a handler when the engine has new tokens for its request."""
 
@@ -81,20 +87,19 @@ class _Stream:
         self.event.set()
 
 
-async def _generate(request: web.Request, params: CompletionParams, token_ids: list[int], chat: bool):
-    app = request.app
-    engine, tokenizer, config = app[ENGINE], app[TOKENIZER], app[CONFIG]
-    if len(token_ids) > config.max_model_len:
+def _check_length(config: SimConfig, params: CompletionParams, num_tokens: int) -> None:
+    """Raise vLLM's ApiError for a prompt or ``max_tokens`` the model's length cannot take."""
+    if num_tokens > config.max_model_len:
         raise ApiError(
             f"This model's maximum context length is {config.max_model_len} tokens. However, your "
-            f"prompt contains {len(token_ids)} input tokens, which exceeds this limit even without "
+            f"prompt contains {num_tokens} input tokens, which exceeds this limit even without "
             "any output tokens. Please reduce the length of the input prompt.",
             param="input_tokens")
-    if len(token_ids) == config.max_model_len:
+    if num_tokens == config.max_model_len:
         # vLLM rejects this too (InputProcessor._validate_prompt_len); admitted, a chunked
         # prefill would stop one token short (the scheduler's max_model_len - 1 cap) forever.
         raise ApiError(
-            f"The decoder prompt (length {len(token_ids)}) plus the number of requested output "
+            f"The decoder prompt (length {num_tokens}) plus the number of requested output "
             f"tokens (at least 1) is longer than the maximum model length of {config.max_model_len}. "
             "Make sure that `max_model_len` is no smaller than the number of text tokens "
             "(prompt + requested output tokens).",
@@ -103,78 +108,117 @@ async def _generate(request: web.Request, params: CompletionParams, token_ids: l
         raise ApiError(f"max_tokens={params.max_tokens} cannot be greater than "
                        f"max_model_len={config.max_model_len}. Please request fewer output tokens.",
                        param="max_tokens")
+
+
+async def _pulled_tokens(app: web.Application, leg, params: CompletionParams, token_ids: list[int]) -> int:
+    """A decode leg's prompt tokens pulled from its prefill replica, after the modelled transfer
+    time of those the local cache lacks (0 for any other request). Raises a 500 ApiError when
+    the prefill replica cannot be reached, as vLLM does (``kv_load_failure_policy`` "fail")."""
+    if leg.consume is None:
+        return 0
+    config, connector, engine = app[CONFIG], app[CONNECTOR], app[ENGINE]
+    hashes: list = []
+    extend_block_hashes(hashes, token_ids, config.block_size, seed_hash(params.model, params.cache_salt))
+    pulled = await connector.pull(leg.consume, hashes, config.block_size)
+    if pulled is None:
+        raise ApiError("KV transfer failed: the prefill replica could not be reached", status=500,
+                       type="InternalServerError")
+    local = len(engine.scheduler.kv.find_longest_cache_hit(hashes, len(token_ids))) * config.block_size
+    await asyncio.sleep(connector.transfer_s(max(min(pulled, len(token_ids) - 1) - local, 0)) / config.time_scale)
+    return pulled
+
+
+async def _generate(request: web.Request, params: CompletionParams, token_ids: list[int], kind: str,
+                    store: bool = False, history: list | None = None):
+    """Run ``params.n`` sequences of ``token_ids`` and answer as the API ``kind`` does."""
+    app = request.app
+    engine, tokenizer, config, connector = app[ENGINE], app[TOKENIZER], app[CONFIG], app[CONNECTOR]
+    _check_length(config, params, len(token_ids))
+    leg = connector.leg(params.kv_transfer_params, stream=params.stream, max_tokens=params.max_tokens, n=params.n)
+    external = await _pulled_tokens(app, leg, params, token_ids)
     max_tokens = params.max_tokens or config.default_max_tokens
-    prefix = "chatcmpl-" if chat else "cmpl-"
-    rid = f"{prefix}{next(_ids):016x}"
-    sim_req = SimRequest(rid, token_ids, max_tokens, model=params.model, cache_salt=params.cache_salt)
+    rid = f"{_PREFIX[kind]}{next(_ids):016x}"
+    children = [SimRequest(rid if params.n == 1 else f"{i}_{rid}", token_ids, max_tokens, model=params.model,
+                           cache_salt=params.cache_salt) for i in range(params.n)]
     wake = _Stream()
-    sim_req.on_update = wake
-    created = int(time.time())
+    for child in children:
+        child.on_update, child.num_external_tokens, child.hold_blocks = wake, external, leg.produce
+    answer = Answer(kind, rid, params.model, params.include_usage)
+    stored = app[STORED]
+
+    def remember(text: str) -> None:  # a Response's messages, for one that continues it
+        if store:
+            stored[rid] = [*(history or []), {"role": "assistant", "content": text}]
     submitted = time.perf_counter()
-    engine.submit(sim_req)
+    for child in children:
+        engine.submit(child)
     try:
         if not params.stream:
-            while sim_req.finish_reason is None:
+            while any(c.finish_reason is None for c in children):
                 await wake.event.wait()
                 wake.event.clear()
-            text = "".join(tokenizer.decode_token(t) for t in sim_req.output_token_ids)
-            if chat:
-                choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                          "logprobs": None, "finish_reason": sim_req.finish_reason, "stop_reason": None}
-                obj = "chat.completion"
-            else:
-                choice = {"index": 0, "text": text, "logprobs": None,
-                          "finish_reason": sim_req.finish_reason, "stop_reason": None}
-                obj = "text_completion"
-            return web.json_response({"id": rid, "object": obj, "created": created, "model": params.model,
-                                      "choices": [choice], "usage": _usage(sim_req)})
-        return await _stream(request, sim_req, wake, params, chat, created, submitted)
+            texts = ["".join(tokenizer.decode_token(t) for t in c.output_token_ids) for c in children]
+            transfer = _held(request, children[0]) if leg.produce else None
+            remember(texts[0])
+            return web.json_response(answer.body(children, texts, transfer))
+        response = await _stream(request, children, wake, answer, submitted)
+        remember(answer.text)
+        return response
     finally:
-        engine.abort(sim_req)  # no-op once finished; frees blocks if the client went away
+        for child in children:
+            engine.abort(child)  # no-op once finished; frees blocks if the client went away
 
 
-async def _stream(request, sim_req: SimRequest, wake: _Stream, params: CompletionParams, chat: bool, created: int,
-                  submitted: float):
+def _held(request: web.Request, child: SimRequest) -> dict | None:
+    """A finished prefill leg's ``kv_transfer_params``, its blocks held for the decode; None
+    when it did not finish by length (nothing is held)."""
+    scheduler = request.app[ENGINE].scheduler
+    blocks = scheduler.held.get(child.request_id)
+    if blocks is None:
+        return None
+    host, port = request.transport.get_extra_info("sockname")[:2]
+    return request.app[CONNECTOR].answer_params(child.request_id, [b.block_id for b in blocks], host, port,
+                                                request.app[ENGINE].now_s())
+
+
+async def _stream(request, children: list[SimRequest], wake: _Stream, answer: Answer, submitted: float):
     tokenizer = request.app[TOKENIZER]
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                            "Cache-Control": "no-cache"})
     await response.prepare(request)
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    head = f'{{"id":"{sim_req.request_id}","object":"{obj}","created":{created},"model":{json.dumps(params.model)},"choices":['
     # vLLM sends a chat's role chunk with the first output the engine yields, after the prefill
     # (``OpenAIServingChat.chat_completion_stream_generator``, ``first_iteration``), not when
     # the stream opens: a client that times the first chunk (``vllm bench serve`` does) measures
     # the prefill, as against vLLM
-    opening = (f'data: {head}{{"index":0,"delta":{{"role":"assistant","content":""}},'
-               f'"logprobs":null,"finish_reason":null}}]}}\n\n') if chat else ""
-    sent = 0
+    start = answer.start()
+    if start:
+        await response.write(start.encode())
+    sent = [0] * len(children)
+    timed = False
     decode = tokenizer.decode_token
     while True:
         await wake.event.wait()
         wake.event.clear()
-        tokens = sim_req.token_ids[sim_req.num_prompt_tokens + sent :]
-        finished = sim_req.finish_reason is not None
-        if not tokens and not finished:
-            continue
-        sent += len(tokens)
-        text = json.dumps("".join(decode(t) for t in tokens))
-        reason = f'"{sim_req.finish_reason}"' if finished else "null"
-        if chat:
-            choice = f'{{"index":0,"delta":{{"content":{text}}},"logprobs":null,"finish_reason":{reason}}}'
-        else:
-            choice = f'{{"index":0,"text":{text},"logprobs":null,"finish_reason":{reason},"stop_reason":null}}'
-        own = f',"sim_ttft_s":{time.perf_counter() - submitted:.6f}' if sent == len(tokens) and tokens else ""
-        chunk = f"{opening}data: {head}{choice}]{own}}}\n\n"
-        opening = ""
-        if finished:
-            if params.include_usage:
-                usage = json.dumps(_usage(sim_req), separators=(",", ":"))
-                chunk += f'data: {head}],"usage":{usage}}}\n\n'
-            chunk += "data: [DONE]\n\n"
-            await response.write(chunk.encode())
+        out = []
+        for i, child in enumerate(children):
+            if sent[i] < 0:  # ended and sent
+                continue
+            tokens = child.token_ids[child.num_prompt_tokens + sent[i]:]
+            ended = child.finish_reason is not None
+            if not tokens and not ended:
+                continue
+            own = None
+            if tokens and not timed:
+                own, timed = time.perf_counter() - submitted, True
+            sent[i] = -1 if ended else sent[i] + len(tokens)
+            out.append(answer.chunk(i, "".join(decode(t) for t in tokens), child.finish_reason if ended else None, own))
+        if all(s < 0 for s in sent):
+            out.append(answer.end(children))
+            await response.write("".join(out).encode())
             await response.write_eof()
             return response
-        await response.write(chunk.encode())
+        if out:
+            await response.write("".join(out).encode())
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -189,7 +233,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 bad = next(t for t in prompt if t >= tokenizer.vocab_size)
                 raise ApiError(f"Token id {bad} is out of vocabulary")
             token_ids = prompt
-        return await _generate(request, params, token_ids, chat=False)
+        return await _generate(request, params, token_ids, COMPLETION)
     except ApiError as exc:
         return _error(exc)
 
@@ -202,9 +246,45 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             token_ids = request.app[TOKENIZER].render_chat(**chat)
         except ChatFormatError as exc:
             raise ApiError(str(exc), param=exc.param) from None
-        return await _generate(request, params, token_ids, chat=True)
+        return await _generate(request, params, token_ids, CHAT)
     except ApiError as exc:
         return _error(exc)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """``/v1/responses``: the input rendered as vLLM renders it (``prompts/responses.py``), after
+    the stored history of ``previous_response_id``."""
+    try:
+        body = await _read_json(request)
+        history, previous = None, body.get("previous_response_id")
+        if previous is not None:
+            history = request.app[STORED].get(previous)
+            if history is None:
+                raise ApiError(f"Response with id '{previous}' not found.", param="previous_response_id",
+                               status=404, type="NotFoundError")
+        params, store, chat = parse_responses(body, request.app[CONFIG], history)
+        try:
+            token_ids = request.app[TOKENIZER].render_chat(**chat)
+        except ChatFormatError as exc:
+            raise ApiError(str(exc), param=exc.param) from None
+        stored = request.app[STORED]
+        while len(stored) >= _MAX_STORED:
+            stored.popitem(last=False)
+        return await _generate(request, params, token_ids, RESPONSES, store, chat["messages"])
+    except ApiError as exc:
+        return _error(exc)
+
+
+async def kv_pull(request: web.Request) -> web.Response:
+    """A decode replica pulls a prefill leg's held blocks (vLLM: a NIXL read): ``{"block_hashes":
+    [...]}``, the blocks freed here; 404 when none are held under that id."""
+    body = await request.json()
+    scheduler = request.app[ENGINE].scheduler
+    hashes = request.app[CONNECTOR].give(body.get("remote_request_id"), body.get("remote_engine_id"),
+                                         scheduler.release_held)
+    if hashes is None:
+        return openai_error(404, "no KV blocks held under that request id", type_="NotFoundError")
+    return web.json_response({"block_hashes": hashes})
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -259,6 +339,14 @@ async def kv_event_sources(request: web.Request) -> web.Response:
     return web.json_response({"0": config})
 
 
+async def _expire_leases(engine: Engine, connector: Connector) -> None:
+    """Free the blocks of prefill legs no decode pulled within the lease (vLLM frees them too)."""
+    while True:
+        await asyncio.sleep(0.25)
+        for request_id in connector.expired(engine.now_s()):
+            engine.scheduler.release_held(request_id)
+
+
 def create_app(config: SimConfig, tokenizer: PromptTokenizer) -> web.Application:
     """The aiohttp application of one simulated replica; the engine starts with the app.
 
@@ -274,6 +362,8 @@ def create_app(config: SimConfig, tokenizer: PromptTokenizer) -> web.Application
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[CONFIG] = config
     app[TOKENIZER] = tokenizer
+    app[CONNECTOR] = Connector(config.kv_transfer)
+    app[STORED] = OrderedDict()
 
     async def engine_ctx(app: web.Application):
         engine = Engine(config, vocab_size=min(tokenizer.vocab_size, 1 << 31))
@@ -286,6 +376,11 @@ def create_app(config: SimConfig, tokenizer: PromptTokenizer) -> web.Application
                                               events.get("topic", ""), events.get("buffer_steps", 10_000))
             engine.scheduler.kv.record_events = True
             tasks.append(asyncio.create_task(engine.publisher.serve_replay()))
+        connector = app[CONNECTOR]
+        if connector.role is not None:
+            engine.metrics.registry.register(ConnectorMetrics(connector))
+            connector.http = aiohttp.ClientSession()
+            tasks.append(asyncio.create_task(_expire_leases(engine, connector)))
         yield
         for task in tasks:
             task.cancel()
@@ -296,10 +391,14 @@ def create_app(config: SimConfig, tokenizer: PromptTokenizer) -> web.Application
                 pass
         if engine.publisher is not None:
             engine.publisher.close()
+        if connector.http is not None:
+            await connector.http.close()
 
     app.cleanup_ctx.append(engine_ctx)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/sim/kv_pull", kv_pull)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)

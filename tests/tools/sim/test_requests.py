@@ -69,8 +69,8 @@ async def test_max_tokens_above_max_model_len_is_a_400(client):
     assert body["error"]["param"] == "max_tokens"
 
 
-async def test_more_than_one_choice_is_a_400(client):
-    status, body = await complete(client, prompt="hi", n=2)
+async def test_no_choice_at_all_is_a_400(client):
+    status, body = await complete(client, prompt="hi", n=0)
     assert_error(status, body, 400)
     assert body["error"]["param"] == "n"
 

@@ -226,3 +226,56 @@ async def test_tokenize_counts_prompt_and_chat_tokens(client):
     body = await resp.json()
     assert body["count"] == len(body["tokens"])
     assert body["tokens"] == tokenizer.render_chat(CHAT_MESSAGES)
+
+
+# -- n sequences, Responses ------------------------------------------------------------------
+
+async def test_n_sequences_are_n_choices_and_usage_counts_the_prompt_once(client):
+    status, body = await complete(client, prompt=prompt_ids(40), max_tokens=3, n=3)
+    assert status == 200
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["prompt_tokens"] == 40 and body["usage"]["completion_tokens"] == 9
+
+
+async def test_a_streamed_chat_of_n_sequences_sends_each_its_role_and_finish(client):
+    resp = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 4, "n": 2, "stream": True,
+        "stream_options": {"include_usage": True}})
+    events = sse_events(await resp.text())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert mine[-1]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+async def test_a_response_is_stored_and_continued_by_its_id(client):
+    resp = await client.post("/v1/responses", json={"model": MODEL, "input": "Say hi. " * 10, "max_output_tokens": 3})
+    first = await resp.json()
+    assert resp.status == 200 and first["object"] == "response" and first["status"] == "completed"
+    assert first["usage"]["output_tokens"] == 3 and first["output"][0]["content"][0]["type"] == "output_text"
+    resp = await client.post("/v1/responses", json={"model": MODEL, "input": "Again.", "max_output_tokens": 2,
+                                                   "previous_response_id": first["id"]})
+    second = await resp.json()
+    assert resp.status == 200
+    # the continuation's prompt is the first's, its output and the new input: it hits the first's blocks
+    assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    resp = await client.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": "resp_no"})
+    assert resp.status == 404 and (await resp.json())["error"]["param"] == "previous_response_id"
+
+
+async def test_a_streamed_response_sends_deltas_then_completed_with_usage(client):
+    resp = await client.post("/v1/responses", json={"model": MODEL, "input": "Say hi.", "max_output_tokens": 4,
+                                                   "stream": True})
+    text = await resp.text()
+    kinds = [line[len("event: "):] for line in text.split("\n") if line.startswith("event: ")]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds
+    last = json.loads(text.rstrip().split("\n")[-1][len("data: "):])
+    assert last["response"]["usage"]["output_tokens"] == 4
+    deltas = [json.loads(line[6:])["delta"] for line in text.split("\n")
+              if line.startswith("data: ") and '"response.output_text.delta"' in line]
+    assert "".join(deltas) == last["response"]["output"][0]["content"][0]["text"]
