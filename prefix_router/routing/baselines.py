@@ -51,11 +51,16 @@ class RoundRobinPolicy(_Baseline):
 
     def __init__(self, config: RoutingConfig, branches: BranchStats) -> None:
         super().__init__(config, branches)
-        self._counter = itertools.count()
+        # a turn of its own for each set of replicas chosen among: a disaggregated fleet's two
+        # pools, chosen in alternation, would otherwise each see every other count only
+        self._counters: dict[frozenset[str], itertools.count] = {}
 
     def order(self, replicas: Mapping[str, ReplicaView]) -> list[str]:
         names = sorted(replicas)
-        start = next(self._counter) % len(names)
+        key = frozenset(names)
+        if key not in self._counters and len(self._counters) >= 64:  # sets change with health: keep few
+            self._counters.clear()
+        start = next(self._counters.setdefault(key, itertools.count())) % len(names)
         return names[start:] + names[:start]
 
 

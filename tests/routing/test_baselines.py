@@ -28,6 +28,20 @@ def test_round_robin_cycles_through_every_replica_in_turn():
     assert d.route is Route.FALLBACK
 
 
+def test_round_robin_takes_turns_in_each_pool_when_two_are_chosen_in_alternation():
+    # a disaggregated fleet: each request chooses a decode replica, then a prefill replica
+    config = RoutingConfig(policy="round-robin")
+    _, ring, branches, views = setup(config)
+    policy = make_policy(config, ring, branches)
+    names = sorted(views)
+    prefill, decode = {n: views[n] for n in names[:2]}, {n: views[n] for n in names[2:]}
+    chosen = {"prefill": [], "decode": []}
+    for _ in range(4):
+        chosen["decode"].append(select(policy, fresh(2), decode).replica)
+        chosen["prefill"].append(select(policy, fresh(2), prefill).replica)
+    assert sorted(chosen["prefill"]) == sorted(names[:2] * 2) and sorted(chosen["decode"]) == sorted(names[2:] * 2)
+
+
 def test_least_loaded_picks_the_replica_with_the_minimum_load():
     config = RoutingConfig(policy="least-loaded")
     _, ring, branches, views = setup(config)
