@@ -161,7 +161,8 @@ async def _lifecycle(app: web.Application):
         headers["Authorization"] = f"Bearer {config.auth.upstream_api_key}"
     gw.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=up.max_connections),
                                     timeout=timeout, auto_decompress=False, headers=headers)
-    if config.discovery.dns:  # the first lookup before serving, so a discovery-only gateway is ready at once
+    # the first lookup before serving, so a discovery-only gateway is ready at once
+    if config.discovery.dns or config.discovery.prefill_dns:
         await discover_once(gw, config.discovery)
     # A health check, then a scrape, of every replica before serving: those that pass both are
     # on the ring from the first request; /ready is 503 until one is.
@@ -175,7 +176,7 @@ async def _lifecycle(app: web.Application):
                                               # a worker of several is not the only router
                                               config.scrape.idle_interval_s if gw.routing.sole_router else 0.0)),
              asyncio.create_task(_sync_loop(gw, min(config.scrape.interval_s, config.health.interval_s) / 2))]
-    if config.discovery.dns:
+    if config.discovery.dns or config.discovery.prefill_dns:
         tasks.append(asyncio.create_task(poll_dns(gw, config.discovery)))
     if config.kv_events.enabled:
         tasks.append(asyncio.create_task(follow_events(gw)))

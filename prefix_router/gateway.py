@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
@@ -91,6 +91,8 @@ class Gateway:
         # one map (cache/engine_map.py)
         self.shadow_holders, self.engine_holders = BlockTree(), EngineMap()
         self.replicas: dict[str, ReplicaState] = {}
+        # the prefill pool of a disaggregated fleet (replicas[].role prefill); empty: not disaggregated
+        self.prefill_names: frozenset[str] = frozenset()
         for rc in config.replicas:
             self.add_replica(rc)
         self.sync_ring()  # every replica starts healthy, so on the ring
@@ -133,24 +135,34 @@ class Gateway:
                              breaker=CircuitBreaker(self.config.breaker),
                              shadow=ShadowIndex(DEFAULT_CAPACITY_BLOCKS, self.shadow_holders))
         self.replicas[state.name] = state
+        if rc.role == "prefill":
+            self.prefill_names = self.prefill_names | {state.name}
         return state
 
-    def apply_discovery(self, urls: Iterable[str], now: float) -> tuple[list[str], list[str]]:
-        """Make the discovered replicas those at ``urls`` (base URLs); ``now``: monotonic seconds.
+    def apply_discovery(self, urls: Iterable[str] | Mapping[str, str], now: float) -> tuple[list[str], list[str]]:
+        """Make the discovered replicas those at ``urls`` (base URLs, or base URLs to their role);
+        ``now``: monotonic seconds.
 
         New URLs are added; a discovered replica missing from ``urls`` starts draining (off the
         ring, forgotten by ``forget_drained``); a draining one that is back stops draining and
-        keeps its shadow index. Static replicas are never touched. Returns (added, drained) names.
+        keeps its shadow index; one found in another role takes it. Static replicas are never
+        touched. Returns (added, drained) names.
         """
-        wanted = {replica_name(u): u for u in urls}
+        roles = urls if isinstance(urls, Mapping) else dict.fromkeys(urls, "both")
+        wanted = {replica_name(u): (u, role) for u, role in roles.items()}
         added, drained = [], []
-        for name, url in wanted.items():
+        for name, (url, role) in wanted.items():
             replica = self.replicas.get(name)
             if replica is None:
-                self.add_replica(ReplicaConfig(url=url), discovered=True)
+                self.add_replica(ReplicaConfig(url=url, role=role), discovered=True)
                 added.append(name)
-            elif replica.draining_since is not None:
+                continue
+            if replica.draining_since is not None:
                 replica.draining_since = None
+            if replica.discovered and replica.config.role != role:
+                replica.config = replace(replica.config, role=role)
+                self.prefill_names = (self.prefill_names | {name} if role == "prefill"
+                                      else self.prefill_names - {name})
         for name, replica in self.replicas.items():
             if replica.discovered and name not in wanted and replica.draining_since is None:
                 replica.draining_since = now
@@ -169,6 +181,7 @@ class Gateway:
             log.info("replica %s: drained and forgotten (left discovery %.0f s ago)", name,
                      now - self.replicas[name].draining_since)
             self.replicas.pop(name).close()
+            self.prefill_names = self.prefill_names - {name}
             self.ring.remove(name)
             self.metrics.forget_replica(name)
             self._exported.pop(name, None)
@@ -276,7 +289,7 @@ class Gateway:
             "routing": "exact token blocks" if self.tokenizer is not None else
                        f"approximate: {self.config.routing.char_block_size}-character blocks (no tokenizer configured)",
             "replicas": [{
-                "name": r.name, "url": r.url, "healthy": r.healthy, "routable": r.routable,
+                "name": r.name, "url": r.url, "role": r.config.role, "healthy": r.healthy, "routable": r.routable,
                 "discovered": r.discovered, "draining": r.draining_since is not None, "queue_depth": r.load,
                 "waiting": r.waiting, "running": r.running, "inflight": r.inflight,
                 "breaker": r.breaker.state(time.monotonic()).name.lower(),

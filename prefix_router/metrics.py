@@ -50,6 +50,7 @@ class GatewayMetrics:
             (self.requests, ("replica", "route", "code")), (self.cache_requests, ("replica", "result")),
             (self.prompt_tokens, ("replica",)), (self.cached_predicted, ("replica",)), (self.cached, ("replica",)),
             (self.lost_tokens, ("replica", "cause")), (self.spillovers, ("from_replica", "to_replica")),
+            (self.decode_requests, ("replica", "transfer")),
             (self.queue_depth, ("replica",)), (self.inflight, ("replica",)), (self.healthy, ("replica",)),
             (self.breaker_state, ("replica",)), (self.ttft, ("replica",)), (self.request_seconds, ("replica",)),
             (self.kv_events, ("replica",)), (self.kv_gaps, ("replica", "outcome")),
@@ -85,6 +86,13 @@ class GatewayMetrics:
             self.changed_lost_tokens.labels(cause.value)
         self.spillovers = Counter("prefix_router_spillovers", "Requests moved off their ring replica by load.",
                                   ("from_replica", "to_replica"), registry=r)
+        # a disaggregated fleet's decode legs (serve/disagg.py): transfer is pulled (the prefill's
+        # kv_transfer_params handed over), no_params (its answer had none), prefill_failed (no
+        # prefill replica served it), decode_retried (a decode attempt failed; the retry computed
+        # the prompt), short (min_prefill_tokens), whole (not split: n > 1 ...)
+        self.decode_requests = Counter("prefix_router_decode_requests",
+                                       "Requests sent to a decode replica, by replica and how the prompt's KV came.",
+                                       ("replica", "transfer"), registry=r)
         self.routing_seconds = Histogram("prefix_router_routing_seconds",
                                          "Time to choose a replica (tokenization excluded).",
                                          buckets=ROUTING_BUCKETS, registry=r)
@@ -165,7 +173,7 @@ METRIC_NAMES = (
     "prefix_router_requests_total", "prefix_router_cache_requests_total", "prefix_router_prompt_tokens_total",
     "prefix_router_cached_tokens_predicted_total", "prefix_router_cached_tokens_total",
     "prefix_router_lost_tokens_total", "prefix_router_changed_total", "prefix_router_changed_lost_tokens_total",
-    "prefix_router_spillovers_total", "prefix_router_replica_queue_depth",
+    "prefix_router_spillovers_total", "prefix_router_decode_requests_total", "prefix_router_replica_queue_depth",
     "prefix_router_replica_inflight", "prefix_router_replica_healthy", "prefix_router_replica_breaker_state",
     "prefix_router_admission_waiting", "prefix_router_admission_rejected_total", "prefix_router_routing_seconds",
     "prefix_router_analysis_seconds", "prefix_router_ttft_seconds", "prefix_router_request_seconds",

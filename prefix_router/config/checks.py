@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from prefix_router.config.schema import (POLICIES, AdmissionConfig, AuthConfig, BreakerConfig, ChangesConfig, DiscoveryConfig,
+from prefix_router.config.schema import (POLICIES, AdmissionConfig, AuthConfig, BreakerConfig, ChangesConfig, DisaggregationConfig, DiscoveryConfig,
                      GatewayConfig, HealthConfig, IndexConfig, KvEventsConfig, LimitsConfig, ReplicaConfig,
                      RoutingConfig, ScrapeConfig, TenantConfig, UpstreamConfig)
 
@@ -175,6 +175,9 @@ CHECKS: dict[tuple[type, str], _Check] = {
     (ReplicaConfig, "block_size"): _POSITIVE,
     (ReplicaConfig, "num_gpu_blocks"): _POSITIVE,
     (ReplicaConfig, "weight"): _POSITIVE,
+    (ReplicaConfig, "role"): _one_of("prefill", "decode", "both"),
+    (DisaggregationConfig, "connector"): _one_of("nixl"),
+    (DisaggregationConfig, "min_prefill_tokens"): _NON_NEGATIVE,
     (RoutingConfig, "policy"): _one_of(*POLICIES),
     (RoutingConfig, "virtual_nodes"): _POSITIVE,
     (RoutingConfig, "block_size"): _POSITIVE,
@@ -237,6 +240,7 @@ CHECKS: dict[tuple[type, str], _Check] = {
     (KvEventsConfig, "replay_timeout_s"): _TIME,
     (KvEventsConfig, "parity_grace_s"): _TIME,
     (DiscoveryConfig, "dns"): _dns_name,
+    (DiscoveryConfig, "prefill_dns"): _dns_name,
     (DiscoveryConfig, "port"): _bounded(1, 65535),
     (DiscoveryConfig, "scheme"): _one_of("http", "https"),
     (DiscoveryConfig, "interval_s"): _TIME,

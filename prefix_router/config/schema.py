@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from prefix_router.constants import CHAR_BLOCK_SIZE, TOKENIZER_CACHE_TOKENS
 
 __all__ = ["POLICIES", "ConfigError", "ReplicaConfig", "RoutingConfig", "IndexConfig", "HealthConfig",
-           "ScrapeConfig", "UpstreamConfig", "LimitsConfig", "DiscoveryConfig", "KvEventsConfig", "BreakerConfig",
+           "ScrapeConfig", "UpstreamConfig", "LimitsConfig", "DisaggregationConfig", "DiscoveryConfig", "KvEventsConfig", "BreakerConfig",
            "AdmissionConfig", "ChangesConfig", "TenantConfig", "AuthConfig", "GatewayConfig"]
 
 POLICIES = ("prefix-affinity", "round-robin", "least-loaded")
@@ -36,6 +36,11 @@ class ReplicaConfig:
     # the replica's GET /kv_event_sources, or kv_events.port when that is not served
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    # its part in a disaggregated fleet (vllm serve --kv-transfer-config, kv_role kv_producer:
+    # prefill; kv_consumer: decode); both: it serves whole requests, as without disaggregation.
+    # With prefill replicas in the fleet a request is computed on one and generated on a decode
+    # replica (prefix_router/serve/disagg.py)
+    role: str = "both"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,6 +119,20 @@ class RoutingConfig:
     # user message) rather than by learned branch points: every turn, and every gateway
     # instance, then agrees from the first request (docs/design.md, "Several gateway instances")
     chat_opening_key: bool = True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DisaggregationConfig:
+    """Prefill/decode disaggregation (prefix_router/serve/disagg.py): in effect when replicas
+    have ``role: prefill``."""
+
+    # the KV connector the replicas run: nixl (vLLM's NixlConnector, the prefill leg first and
+    # its kv_transfer_params handed to the decode leg) is the one this gateway speaks
+    connector: str = "nixl"
+    # send a request whole to its decode replica when that replica lacks fewer than this many
+    # of its prompt's tokens, as it would compute them faster than a transfer round trip
+    # (llm-d's prefix-based decider, off there by default too); 0: every request is split
+    min_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -218,6 +237,9 @@ class DiscoveryConfig:
     # name whose A/AAAA records are the replicas, e.g. the headless Service of the vLLM pods
     # (vllm.<namespace>.svc.cluster.local); None: the static replicas list only
     dns: str | None = None
+    # the same for the prefill replicas of a disaggregated fleet (the headless Service of the
+    # kv_producer pods); dns then names the decode replicas. None: no discovered prefill pool
+    prefill_dns: str | None = None
     port: int = 8000  # vLLM's OpenAI server default port (vllm serve --port)
     scheme: str = "http"
     # seconds between lookups: CoreDNS answers for Services with a 5 s TTL by default
@@ -361,6 +383,7 @@ class GatewayConfig:
     admission: AdmissionConfig = AdmissionConfig()
     auth: AuthConfig = AuthConfig()
     kv_events: KvEventsConfig = KvEventsConfig()
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
     # seconds SIGTERM waits for in-flight requests (streams included) to finish before exit;
     # Kubernetes' default terminationGracePeriodSeconds is 30, so 25 leaves the rest for exit
     drain_s: float = 25.0

@@ -14,6 +14,8 @@ In Kubernetes that name is a headless Service in front of the vLLM pods
 - A failed lookup (a resolver timeout, NXDOMAIN while every pod is being replaced) changes
   nothing: keeping the last known set beats emptying the ring on a DNS blip.
 - Static replicas from the ``replicas`` list are never touched.
+- ``prefill_dns`` names a disaggregated fleet's prefill replicas the same way (their role
+  ``prefill``); ``dns`` then names its decode replicas.
 
 Several gateway instances each resolve on their own. The ring depends only on the set of
 replica names (``prefix_router/routing/ring.py``), not on the order they were found in, so instances place a
@@ -58,19 +60,24 @@ def replica_urls(addresses: set[str], config: DiscoveryConfig) -> list[str]:
 
 
 async def discover_once(gw: Gateway, config: DiscoveryConfig, resolver: Resolver = resolve) -> bool:
-    """Resolve ``config.dns`` once and apply the result; False (and nothing changed) when the
-    lookup failed or took longer than ``interval_s`` (at least 1 s)."""
-    try:
-        addresses = await asyncio.wait_for(resolver(config.dns, config.port), timeout=max(config.interval_s, 1.0))
-    except (OSError, asyncio.TimeoutError) as exc:
-        log.warning("discovery: resolving %s failed (%s); keeping the %d known replicas",
-                    config.dns, exc or type(exc).__name__, len(gw.replicas))
-        return False
-    added, drained = gw.apply_discovery(replica_urls(addresses, config), time.monotonic())
+    """Resolve ``config.dns`` and ``config.prefill_dns`` once and apply the result; False (and
+    nothing changed) when a lookup failed or took longer than ``interval_s`` (at least 1 s)."""
+    names = {role: name for role, name in (("both", config.dns), ("prefill", config.prefill_dns)) if name}
+    found: dict[str, str] = {}
+    for role, name in names.items():
+        try:
+            addresses = await asyncio.wait_for(resolver(name, config.port), timeout=max(config.interval_s, 1.0))
+        except (OSError, asyncio.TimeoutError) as exc:
+            log.warning("discovery: resolving %s failed (%s); keeping the %d known replicas",
+                        name, exc or type(exc).__name__, len(gw.replicas))
+            return False
+        found.update(dict.fromkeys(replica_urls(addresses, config), role))
+    added, drained = gw.apply_discovery(found, time.monotonic())
     for name in added:
-        log.info("discovery: replica %s found; on the ring after its first scrape", name)
+        log.info("discovery: replica %s found (%s); on the ring after its first scrape", name,
+                 gw.replicas[name].config.role)
     for name in drained:
-        log.info("discovery: replica %s gone from %s; draining", name, config.dns)
+        log.info("discovery: replica %s gone from %s; draining", name, " and ".join(names.values()))
     return True
 
 

@@ -10,7 +10,9 @@ gateway decided and what the engine reported, never prompt text: ``t`` (Unix sec
 request waited: they were held when it was routed, and the engine recomputed them), ``result`` (hit or a
 miss kind, see ``misses/classify.py``), ``lost_tokens``, ``cause``, ``diverged_message`` and
 ``diverged_token`` (for ``miss_changed``: ``misses/diagnosis.py``), ``conversation`` (a 64-bit hash of the
-conversation id, so the session key itself stays out), ``ttft_s`` and ``elapsed_s``.
+conversation id, so the session key itself stays out), ``ttft_s`` and ``elapsed_s``. In a
+disaggregated fleet also ``decode_replica`` and ``transfer`` (``serve/disagg.py``), ``replica`` and
+the cache fields being the prefill replica's where the request was split.
 
 With ``request_log_bodies`` on (an operator's choice: prompt text), each line also holds
 ``path`` and ``body``, the request as sent to the replica (for ``/v1/responses`` and

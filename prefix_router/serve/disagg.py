@@ -24,11 +24,31 @@ in one transfer goes whole to one replica (``unsplittable``). A client never set
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
 from typing import Any
 
-from prefix_router.prompts.responses import RESPONSES
+import aiohttp
+import orjson
+from aiohttp import web
 
-__all__ = ["PREFILL_PARAMS", "TRANSFER_KEY", "decode_body", "prefill_body", "unsplittable"]
+from prefix_router.constants import REPLICA_HEADER
+from prefix_router.gateway import Gateway
+from prefix_router.prompts.analysis import PromptInfo
+from prefix_router.prompts.responses import RESPONSES, chat_usage
+from prefix_router.routing.decision import Decision, Route
+from prefix_router.serve.bodies import loads
+from prefix_router.serve.forward import Choose, InFlight, Outcome, breaker_record, forward
+from prefix_router.serve.inbound import Inbound
+
+__all__ = ["PREFILL_PARAMS", "TRANSFER_KEY", "decode_body", "dumps", "prefill_body", "serve_split", "short_suffix",
+           "unsplittable"]
+
+log = logging.getLogger(__name__)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 TRANSFER_KEY = "kv_transfer_params"
@@ -98,3 +118,130 @@ def decode_body(body: dict[str, Any], prefill_answer: Any) -> tuple[dict[str, An
         out[TRANSFER_KEY] = params
         return out, True
     return out, False
+
+
+# -- the two legs ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(slots=True)
+class _Prefilled:
+    """A prefill leg's end: the slot of the attempt that served it (None when none did), its
+    decision and answer; ``refused``: a 4xx to give the client as it came."""
+
+    slot: InFlight | None = None
+    decision: Decision | None = None
+    answer: Any = None
+    refused: web.Response | None = None
+
+
+def short_suffix(gw: Gateway, info: PromptInfo, decision: Decision) -> bool:
+    """Whether the decode replica of ``decision`` lacks fewer than
+    ``disaggregation.min_prefill_tokens`` of the prompt's tokens (so it computes them itself)."""
+    least = gw.config.disaggregation.min_prefill_tokens
+    if least <= 0:
+        return False
+    unit = gw.unit_block_size(info)
+    return info.num_units - decision.predicted_blocks * unit < least * (unit / gw.block_size if not info.exact else 1)
+
+
+async def serve_split(request: web.Request, gw: Gateway, inbound: Inbound, info: PromptInfo, decision: Decision,
+                      choose_prefill: Choose, choose_decode: Choose) -> Outcome:
+    """One request as two legs (module docstring): the prefill leg on the replica
+    ``choose_prefill`` gives (another after a 5xx or no answer; a 4xx goes to the client as the
+    request's own fault), then the decode leg on ``decision``'s replica (retried by
+    ``forward`` where ``choose_decode`` says, without the transfer, which the failed attempt may
+    have used up). No prefill replica serving it, or one answering without
+    ``kv_transfer_params``, leaves the decode replica to compute the prompt. The Outcome
+    accounts the prompt's cache on the prefill replica (that is where it was computed); its
+    ``decode`` and ``transfer`` say the rest."""
+    started = time.perf_counter()
+    rid = f"prefix-router-{uuid.uuid4().hex}"  # one X-Request-Id on both legs, as vLLM's proxy does
+    headers = {**{k: v for k, v in inbound.headers.items() if k.lower() != "x-request-id"}, "X-Request-Id": rid}
+    legs = dataclasses.replace(inbound, headers=headers)
+    prefilled = await _prefill(gw, legs, info, choose_prefill)
+    if prefilled.refused is not None:
+        return Outcome(prefilled.refused, prefilled.refused.status, prefilled.slot.replica, prefilled.decision,
+                       prefilled.decision.route, held_blocks=prefilled.slot.held_blocks, elapsed_s=
+                       time.perf_counter() - started)
+    body, carried = decode_body(inbound.body, prefilled.answer)
+    transfer = "pulled" if carried else ("no_params" if prefilled.slot is not None else "prefill_failed")
+    if prefilled.slot is not None and not carried:
+        log.warning("prefill replica %s answered without kv_transfer_params; the decode computes the prompt",
+                    prefilled.slot.replica.name)
+    whole = dumps(decode_body(inbound.body, None)[0])
+    outcome = await forward(request, gw, dataclasses.replace(legs, payload=dumps(body) if carried else whole), info,
+                            decision, choose_decode, retry_payload=whole, started=started)
+    if carried and outcome.route is Route.RETRY:  # the retry went without the transfer
+        carried, transfer = False, "decode_retried"
+    if outcome.replica is not None:
+        gw.metrics.decode_requests.labels(outcome.replica.name, transfer).inc()
+    if not carried or outcome.replica is None:
+        return dataclasses.replace(outcome, transfer=transfer)
+    return _accounted(outcome, prefilled, transfer, inbound.path)
+
+
+def dumps(body: dict) -> bytes:
+    """A leg's body as JSON: orjson, or Python's json for lone surrogates, which orjson refuses."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body).encode()
+
+
+def _accounted(outcome: Outcome, prefilled: _Prefilled, transfer: str, path: str) -> Outcome:
+    """The decode leg's outcome with the prefill leg's cache accounting: its replica, decision,
+    held blocks and view, and its usage's prompt counts (the decode's count pulled tokens as
+    cached) with the decode's completion tokens."""
+    slot, usage = prefilled.slot, outcome.usage
+    prefill_usage = chat_usage(path, prefilled.answer.get("usage") if isinstance(prefilled.answer, dict) else None)
+    if isinstance(prefill_usage, dict) and isinstance(usage, dict):
+        usage = {**prefill_usage, "completion_tokens": usage.get("completion_tokens")}
+    return dataclasses.replace(outcome, replica=slot.replica, decision=prefilled.decision,
+                               route=prefilled.decision.route, usage=usage, held_blocks=slot.held_blocks,
+                               view=slot.view, removals=slot.removals, decode=outcome.replica, transfer=transfer)
+
+
+async def _prefill(gw: Gateway, inbound: Inbound, info: PromptInfo, choose: Choose) -> _Prefilled:
+    """The prefill leg, retried on another prefill replica after a 5xx or no answer, up to
+    ``upstream.max_retries`` times; an empty ``_Prefilled`` when none served it."""
+    payload = dumps(prefill_body(inbound.body, inbound.path))
+    tried: set[str] = set()
+    answered_5xx = []  # blamed only once another prefill replica served it (as forward.py does)
+    for attempt in range(gw.config.upstream.max_retries + 1):
+        decision = choose(frozenset(tried))
+        if decision is None:
+            break
+        tried.add(decision.replica)
+        replica = gw.replicas.get(decision.replica)
+        if replica is None or not replica.breaker.allows(time.monotonic()):
+            continue
+        route = Route.RETRY if attempt else decision.route
+        with InFlight(gw, replica, info, decision) as slot:
+            try:
+                async with gw.http.post(replica.url + inbound.path, data=payload, headers=inbound.headers,
+                                        allow_redirects=False) as upstream:
+                    data = await upstream.read()
+                    status, content_type = upstream.status, upstream.headers.get("Content-Type", "application/json")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                slot.ok, slot.failed = False, True
+                log.warning("prefill leg on %s failed (%s)", replica.name, type(exc).__name__)
+                gw.metrics.requests.labels(replica.name, route.value, "0").inc()
+                continue
+            if status >= 500:
+                slot.failed = True
+                answered_5xx.append(replica)
+                gw.metrics.requests.labels(replica.name, route.value, str(status)).inc()
+                continue
+            slot.relayed(status)
+            slot.prefilled()
+            for earlier in answered_5xx:
+                breaker_record(gw, earlier, False)
+            if status != 200:  # the request's own fault: every replica would say the same
+                refused = web.Response(body=data, status=status, headers={"Content-Type": content_type,
+                                                                           REPLICA_HEADER: replica.name})
+                return _Prefilled(slot, dataclasses.replace(decision, route=route), refused=refused)
+            try:
+                answer = loads(data)
+            except (ValueError, RecursionError):
+                answer = None
+            return _Prefilled(slot, dataclasses.replace(decision, route=route), answer)
+    return _Prefilled()

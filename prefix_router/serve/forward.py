@@ -60,7 +60,7 @@ class Outcome:
     routed by (None without one), and ``removals`` its removals when the request was sent, for
     ``EngineView.evicted_since``. ``answer``: the answer's JSON object when it
     came in one body, or a Responses stream's completed response; ``response_id``: a Responses
-    answer's id. Times in seconds from sending.
+    answer's id. Times in seconds from sending (a disaggregated request's: from its prefill leg's).
     """
 
     response: web.StreamResponse
@@ -76,14 +76,23 @@ class Outcome:
     removals: int = 0
     answer: dict | None = None
     response_id: str | None = None
+    # a disaggregated request's (serve/disagg.py): the decode leg's replica, the fields above
+    # being its prefill leg's cache accounting, and how the prompt's KV reached the decode
+    decode: ReplicaState | None = None
+    transfer: str | None = None
 
 
 Choose = Callable[[frozenset[str]], Decision | None]  # the policy's choice among replicas not tried
 
 
 async def forward(request: web.Request, gw: Gateway, inbound: Inbound, info: PromptInfo, decision: Decision,
-                  choose: Choose) -> Outcome:
-    """Send the request where ``decision`` says, retrying where ``choose`` says (module docstring)."""
+                  choose: Choose, *, retry_payload: bytes | None = None, started: float | None = None) -> Outcome:
+    """Send the request where ``decision`` says, retrying where ``choose`` says (module docstring).
+
+    ``retry_payload``: the body a retry sends in place of ``inbound.payload`` (a decode leg's
+    retry goes without the transfer its first attempt may have consumed: ``disagg.py``).
+    ``started``: ``time.perf_counter()`` the request's times count from (a decode leg's: its
+    prefill leg's dispatch), else each attempt's own sending."""
     tried: set[str] = set()
     answered_5xx: list[ReplicaState] = []  # replicas to blame if a later one serves the request
     last_error = "no replica answered"
@@ -97,7 +106,8 @@ async def forward(request: web.Request, gw: Gateway, inbound: Inbound, info: Pro
         if replica is None or not replica.breaker.allows(time.monotonic()):
             continue  # dropped by discovery, or its breaker opened, while an earlier attempt ran
         route = Route.RETRY if attempt else decision.route
-        outcome = await _attempt(request, gw, inbound, info, replica, decision, route, answered_5xx)
+        payload = retry_payload if attempt and retry_payload is not None else inbound.payload
+        outcome = await _attempt(request, gw, inbound, info, replica, decision, route, answered_5xx, payload, started)
         if isinstance(outcome, Outcome):
             return outcome
         last_error = outcome
@@ -105,15 +115,16 @@ async def forward(request: web.Request, gw: Gateway, inbound: Inbound, info: Pro
 
 
 async def _attempt(request: web.Request, gw: Gateway, inbound: Inbound, info: PromptInfo, replica: ReplicaState,
-                   decision: Decision, route: Route, answered_5xx: list[ReplicaState]) -> Outcome | str:
+                   decision: Decision, route: Route, answered_5xx: list[ReplicaState], payload: bytes,
+                   started: float | None) -> Outcome | str:
     """One attempt on ``replica``: its Outcome once it answered below 500, else why it failed."""
     header_timeout = gw.config.upstream.header_timeout_s if inbound.stream else None
     with InFlight(gw, replica, info, decision) as slot:
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if started is None else started
         try:
             # asyncio.timeout, not wait_for: no task of its own per request (None: no limit)
             async with asyncio.timeout(header_timeout):
-                upstream = await gw.http.post(replica.url + inbound.path, data=inbound.payload, headers=inbound.headers,
+                upstream = await gw.http.post(replica.url + inbound.path, data=payload, headers=inbound.headers,
                                               allow_redirects=False)
             async with upstream:
                 if upstream.status >= 500:

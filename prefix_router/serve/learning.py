@@ -56,10 +56,11 @@ def learn(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome: Outcome) -> 
         log.debug("request to %s, route %s: HTTP %d after %.3f s", name, route, outcome.status, outcome.elapsed_s)
         if gw.request_log is not None:
             _log(gw, inbound, replica=name, route=route, status=outcome.status, ttft_s=outcome.ttft_s,
-                 elapsed_s=round(outcome.elapsed_s, 6), conversation=conversation_tag(info.conversation))
+                 elapsed_s=round(outcome.elapsed_s, 6), conversation=conversation_tag(info.conversation),
+                 **_legs(outcome))
         return
     prompt_tokens, cached_tokens, cached_blocks, to_tokens = _engine_hit(gw, info, usage)
-    replica.shadow.add_output(count(usage.get("completion_tokens")) // gw.block_size, info.hashes)
+    (outcome.decode or replica).shadow.add_output(count(usage.get("completion_tokens")) // gw.block_size, info.hashes)
     m.prompt_tokens.labels(name).inc(prompt_tokens)
     m.cached.labels(name).inc(cached_tokens)
     predicted = min(int(decision.predicted_blocks * to_tokens), prompt_tokens)
@@ -89,8 +90,17 @@ def learn(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome: Outcome) -> 
              diverged_message=change.message_index if change else None,
              diverged_token=int(verdict.diverged_block * to_tokens) if change else None,
              conversation=conversation_tag(conversation), spilled_from=decision.spilled_from,
-             ttft_s=outcome.ttft_s, elapsed_s=round(outcome.elapsed_s, 6),
+             ttft_s=outcome.ttft_s, elapsed_s=round(outcome.elapsed_s, 6), **_legs(outcome),
              **(_chain(gw, info, usage) if gw.config.request_log_blocks else {}))
+
+
+def _legs(outcome: Outcome) -> dict:
+    """A disaggregated request's log fields: ``decode_replica`` (``replica`` being its prefill
+    leg's, or the decode replica's when it was not split) and ``transfer``; none otherwise."""
+    if outcome.transfer is None:
+        return {}
+    decode = outcome.decode or outcome.replica
+    return {"decode_replica": decode.name if decode is not None else None, "transfer": outcome.transfer}
 
 
 def _chain(gw: Gateway, info: PromptInfo, usage: dict) -> dict:
@@ -207,7 +217,8 @@ def _remember_response(gw: Gateway, inbound: Inbound, outcome: Outcome) -> None:
     if (answer is not None and inbound.body.get("store") is not False and inbound.prompt is not None
             and answer.get("status") in ("completed", "incomplete")):
         history = [*inbound.prompt["messages"], *output_messages(answer)]
-    gw.response_homes.remember(outcome.response_id, outcome.replica.name, history, owner=inbound.tenant)
+    home = outcome.decode or outcome.replica  # a split request's Response is stored where it was decoded
+    gw.response_homes.remember(outcome.response_id, home.name, history, owner=inbound.tenant)
 
 
 def _log(gw: Gateway, inbound: Inbound, **fields) -> None:

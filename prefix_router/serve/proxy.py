@@ -15,7 +15,9 @@
    (``ReplicaState.cache_index``), else the shadow index.
 5. Forward (``forward.forward``): the request to the chosen replica, retried where the policy
    chooses again when a replica fails before anything reached the client; the answer streamed
-   back as it arrives (``relay.relay``) with ``x-prefix-router-replica`` naming the replica.
+   back as it arrives (``relay.relay``) with ``x-prefix-router-replica`` naming the replica. In a
+   disaggregated fleet the choice of step 4 is among the decode replicas, and a prefill leg on a
+   prefill replica the policy chooses comes first (``disagg.serve_split``).
 6. Learning (``learning.learn``): the cache outcome, its cause, metrics, the request log.
 
 Every step but the policy's may end the request with an error response; nothing is retried
@@ -25,6 +27,7 @@ once a byte reached the client, and in-flight accounting is released however an 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -33,7 +36,8 @@ from aiohttp import web
 from prefix_router.fleet.admission import QueueFull, QueueTimeout
 from prefix_router.misses.diagnosis import fingerprint
 from prefix_router.errors import openai_error
-from prefix_router.serve.forward import forward
+from prefix_router.serve.disagg import serve_split, short_suffix, unsplittable
+from prefix_router.serve.forward import Outcome, forward
 from prefix_router.gateway import Gateway
 from prefix_router.serve.inbound import Inbound, read_inbound
 from prefix_router.prompts.responses import RESPONSES
@@ -62,10 +66,30 @@ async def handle_generate(request: web.Request, gw: Gateway, path: str, chat: bo
     if isinstance(routed, web.Response):
         return routed
     info, decision, allowed = routed
-    outcome = await forward(request, gw, inbound, info, decision,
-                            lambda tried: choose(gw, info, inbound.session, tried, allowed))
+    outcome = await _serve(request, gw, inbound, info, decision, allowed)
     learn(gw, inbound, info, outcome)
     return outcome.response
+
+
+async def _serve(request: web.Request, gw: Gateway, inbound: Inbound, info: PromptInfo, decision: Decision,
+                 allowed: frozenset[str] | None) -> Outcome:
+    """Step 5: ``forward`` to the chosen replica; in a disaggregated fleet (replicas with
+    ``role: prefill``), a prefill leg on the prefill replica the policy chooses first
+    (``disagg.serve_split``) unless the request cannot be split or its decode replica lacks only
+    a short suffix, ``decision`` having chosen the decode replica."""
+    decode = lambda tried: choose(gw, info, inbound.session, tried, allowed)  # noqa: E731
+    if not gw.prefill_names:
+        return await forward(request, gw, inbound, info, decision, decode)
+    whole = "whole" if unsplittable(inbound.body, inbound.path) else "short" if short_suffix(gw, info, decision) else None
+    if whole is None:
+        pool = gw.serving(inbound.body.get("model"))
+        prefill = gw.prefill_names if pool is None else gw.prefill_names & pool
+        return await serve_split(request, gw, inbound, info, decision,
+                                 lambda tried: choose(gw, info, inbound.session, tried, prefill), decode)
+    outcome = await forward(request, gw, inbound, info, decision, decode)
+    if outcome.replica is not None:
+        gw.metrics.decode_requests.labels(outcome.replica.name, whole).inc()
+    return dataclasses.replace(outcome, transfer=whole)
 
 
 async def route(gw: Gateway, inbound: Inbound, subset: frozenset[str] | None = None
@@ -78,6 +102,9 @@ async def route(gw: Gateway, inbound: Inbound, subset: frozenset[str] | None = N
     allowed = await _serving(gw, inbound.body.get("model"))
     if isinstance(allowed, web.Response):
         return allowed
+    if gw.prefill_names:  # disaggregated: the request is decoded (or served whole) off the prefill pool
+        decoding = frozenset(gw.replicas).difference(gw.prefill_names)
+        allowed = decoding if allowed is None else allowed & decoding
     if subset is not None:
         allowed = subset if allowed is None else allowed & subset
     home = None

@@ -6,6 +6,7 @@ other, and the compose file's services and mounts exist."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -218,6 +219,30 @@ def test_the_example_overlay_builds_and_validates():
         validate(doc)
     vllm = next(d for d in docs if d["kind"] == "StatefulSet")
     assert vllm["spec"]["replicas"] == 8
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) is not installed")
+def test_the_disaggregated_overlay_wires_two_pools_to_the_gateway():
+    out = subprocess.run(["kubectl", "kustomize", str(KUBE / "overlays" / "disaggregated")], capture_output=True,
+                         text=True, check=True).stdout
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
+    for doc in docs.values():
+        validate(doc)
+    config = config_from_dict(yaml.safe_load(docs[("ConfigMap", "prefix-router")]["data"]["gateway.yaml"]))
+    roles = {}
+    for pool, service in ((config.discovery.dns, "decode"), (config.discovery.prefill_dns, "prefill")):
+        selector = docs[("Service", pool)]["spec"]["selector"]
+        (pods,) = [d for d in docs.values() if d["kind"] == "StatefulSet"
+                   and selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        args = " ".join(pods["spec"]["template"]["spec"]["containers"][0]["args"])
+        roles[service] = json.loads(args.split("--kv-transfer-config=")[1].split("}")[0] + "}")["kv_role"]
+        env = {e["name"] for e in pods["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert "VLLM_NIXL_SIDE_CHANNEL_HOST" in env
+    assert roles == {"decode": "kv_consumer", "prefill": "kv_producer"}
+    policy = docs[("NetworkPolicy", "vllm-prefill")]["spec"]
+    prefill = docs[("StatefulSet", "vllm-prefill")]["spec"]["template"]["spec"]["containers"][0]
+    named = {p["name"] for p in prefill["ports"]}
+    assert {p["port"] for rule in policy["ingress"] for p in rule["ports"]} <= named
 
 
 def test_the_endpoint_pickers_manifests_are_wired_to_each_other_and_to_the_vllm_pods():

@@ -8,10 +8,11 @@ import random
 import pytest
 
 from prefix_router.app import GATEWAY, create_app
-from prefix_router.config import ConfigError, DiscoveryConfig, config_from_dict
+from prefix_router.config import ConfigError, DiscoveryConfig, GatewayConfig, config_from_dict
 from prefix_router.constants import REPLICA_HEADER
 from prefix_router.fleet.discovery import discover_once, replica_urls, resolve
 from prefix_router.fleet.replicas import apply_health, apply_metrics
+from prefix_router.gateway import Gateway
 from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from ..helpers import MODEL, metric, text
@@ -185,3 +186,26 @@ async def test_two_gateways_behind_a_round_robin_client_reuse_nearly_as_much_as_
           f"two behind a round-robin client {two:.3f}")
     assert one > 0.5  # the workload reuses a lot through one gateway
     assert abs(one - two) <= 0.08, f"one gateway {one:.3f}, two {two:.3f}"
+
+
+async def test_a_prefill_service_names_the_prefill_pool_and_an_address_may_change_pools():
+    gw = Gateway(GatewayConfig(discovery=DiscoveryConfig(dns="decode", prefill_dns="prefill")), None)
+    pools = {"decode": {"10.0.0.1", "10.0.0.2"}, "prefill": {"10.0.0.3"}}
+
+    async def lookup(name, port):
+        return pools[name]
+
+    assert await discover_once(gw, gw.config.discovery, lookup)
+    assert gw.prefill_names == {"10.0.0.3:8000"}
+    assert {r.config.role for n, r in gw.replicas.items() if n != "10.0.0.3:8000"} == {"both"}
+    pools["prefill"], pools["decode"] = {"10.0.0.3", "10.0.0.2"}, {"10.0.0.1"}  # a pod moved to the prefill pool
+    assert await discover_once(gw, gw.config.discovery, lookup)
+    assert gw.prefill_names == {"10.0.0.2:8000", "10.0.0.3:8000"} and gw.replicas["10.0.0.2:8000"].config.role == "prefill"
+
+    async def half(name, port):  # one lookup failing changes nothing: the other pool is not emptied
+        if name == "prefill":
+            raise OSError("timeout")
+        return pools[name]
+
+    assert not await discover_once(gw, gw.config.discovery, half)
+    assert len(gw.prefill_names) == 2 and all(r.draining_since is None for r in gw.replicas.values())

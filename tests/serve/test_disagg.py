@@ -4,10 +4,19 @@ proxy (``toy_proxy_server.py``) and llm-d's sidecar build, as the module docstri
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
+from aiohttp import web
 
+from prefix_router.app import create_app
+from prefix_router.config import config_from_dict
+from prefix_router.prompts.tokenizer import ByteTokenizer
 from prefix_router.serve.disagg import PREFILL_PARAMS, TRANSFER_KEY, decode_body, prefill_body, unsplittable
+
+from ..helpers import MODEL, metric
+
+CONSUMER = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
 
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 
@@ -80,3 +89,118 @@ def test_what_one_transfer_cannot_carry_goes_whole_to_one_replica(body, path, re
 ])
 def test_one_prompt_one_sequence_is_split(body, path):
     assert unsplittable({"model": "m", **body}, path) is None
+
+
+# -- the flow, through the gateway: scripted prefill replicas, simulated decode replicas ------------
+
+class Prefill:
+    """A scripted prefill replica: ``answer`` decides each prefill leg's (status, body); records
+    the bodies and X-Request-Ids it received."""
+
+    def __init__(self, answer) -> None:
+        self.answer, self.seen = answer, []
+        self.app = web.Application()
+        self.app.router.add_get("/health", self.plain)
+        self.app.router.add_get("/metrics", self.plain)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_post(CHAT, self.generate)
+
+    async def plain(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.seen.append((body, request.headers.get("X-Request-Id")))
+        status, answer = self.answer(body)
+        return web.json_response(answer, status=status)
+
+
+def _answered(params: dict | None):
+    def answer(body):
+        out = {"id": "chatcmpl-p", "object": "chat.completion", "choices": [{"index": 0, "message": {
+            "role": "assistant", "content": "x"}, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 40, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 32}}}
+        return 200, ({**out, "kv_transfer_params": params} if params is not None else out)
+    return answer
+
+
+@pytest.fixture
+async def split_gateway(aiohttp_server, aiohttp_client, fleet, tmp_path):
+    """``await split_gateway(prefills)``: the gateway in front of ``prefills`` (scripted) and two
+    simulated decode replicas; (client, decode URLs, request log path)."""
+
+    async def start(prefills, **disaggregation):
+        urls = [str((await aiohttp_server(p.app)).make_url("")).rstrip("/") for p in prefills]
+        decode = [str(s.make_url("")).rstrip("/") for s in await fleet(2, kv_transfer=CONSUMER)]
+        log = tmp_path / "log.jsonl"
+        config = config_from_dict({"replicas": [{"url": u, "role": "prefill"} for u in urls]
+                                   + [{"url": u, "role": "decode"} for u in decode],
+                                   "health": {"interval_s": 60.0}, "scrape": {"interval_s": 60.0},
+                                   "request_log": str(log), "disaggregation": disaggregation})
+        return await aiohttp_client(create_app(config, ByteTokenizer())), decode, log
+
+    return start
+
+
+def _lines(log) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+async def test_a_decode_whose_transfer_fails_is_retried_without_it_on_another_decode_replica(split_gateway):
+    # the prefill's parameters name a host nothing listens on: the decode replica answers 500, as vLLM does
+    gone = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r", "remote_block_ids": [1],
+            "remote_host": "127.0.0.1", "remote_port": 9}
+    prefill = Prefill(_answered(gone))
+    client, _, log = await split_gateway([prefill])
+    resp = await client.post(CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hello " * 20}],
+                                         "max_tokens": 3})
+    assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 3
+    body, request_id = prefill.seen[0]
+    assert body["max_tokens"] == 1 and body["stream"] is False and body[TRANSFER_KEY] == PREFILL_PARAMS
+    assert request_id and request_id.startswith("prefix-router-")
+    (line,) = _lines(log)
+    assert line["transfer"] == "decode_retried" and line["replica"] == line["decode_replica"]
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "prefix_router_requests_total", code="500") == 1  # the first decode attempt
+
+
+async def test_a_prefill_4xx_goes_to_the_client_and_no_decode_leg_is_sent(split_gateway):
+    refusing = Prefill(lambda body: (400, {"error": {"message": "bad", "type": "BadRequestError", "param": None,
+                                                    "code": 400}}))
+    client, _, log = await split_gateway([refusing])
+    resp = await client.post(CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status == 400 and (await resp.json())["error"]["message"] == "bad"
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "prefix_router_decode_requests_total") == 0
+
+
+async def test_a_failing_prefill_is_retried_on_another_and_none_left_means_the_decode_computes(split_gateway):
+    failing = Prefill(lambda body: (500, {"error": {"message": "engine dead", "code": 500}}))
+    client, _, log = await split_gateway([failing, Prefill(_answered(None))])
+    for i in range(4):
+        resp = await client.post(CHAT, json={"model": MODEL, "max_tokens": 2,
+                                             "messages": [{"role": "user", "content": f"{i} " + "words " * 30}]})
+        assert resp.status == 200
+    # the second prefill answered without kv_transfer_params: every decode computed the prompt itself
+    assert {line["transfer"] for line in _lines(log)} == {"no_params"}
+    client, _, log = await split_gateway([failing])
+    resp = await client.post(CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 2})
+    assert resp.status == 200 and _lines(log)[-1]["transfer"] == "prefill_failed"
+
+
+async def test_a_decode_replica_lacking_only_a_short_suffix_serves_the_request_whole(split_gateway):
+    prefill = Prefill(_answered(None))
+    client, _, log = await split_gateway([prefill], min_prefill_tokens=64)
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "words " * 80}]}
+    assert (await client.post(CHAT, json=body)).status == 200  # new: split (the decode then holds it)
+    assert (await client.post(CHAT, json=body)).status == 200
+    body["messages"].append({"role": "user", "content": "more"})  # a few tokens past what the decode holds
+    assert (await client.post(CHAT, json=body)).status == 200
+    other = {**body, "messages": [{"role": "user", "content": "other " * 80}]}
+    assert (await client.post(CHAT, json=other)).status == 200
+    assert [line["transfer"] for line in _lines(log)] == ["no_params", "short", "short", "no_params"]
+    assert len(prefill.seen) == 2
