@@ -22,7 +22,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "in virtual time: any fleet size, repeatable for a seed.")
     p.add_argument("--trace", default=None, help="Mooncake .jsonl, a .traj file or folder, or a request log")
     p.add_argument("--workload", default="mixed", choices=WORKLOADS, help="built-in workload when no --trace")
-    p.add_argument("--replicas", type=int, required=True, help="replicas in the fleet")
+    p.add_argument("--replicas", type=int, required=True,
+                   help="replicas in the fleet (with --prefill-replicas: its decode replicas)")
+    p.add_argument("--prefill-replicas", type=int, default=0, metavar="N",
+                   help="a disaggregated fleet: N prefill replicas beside --replicas decode ones, the policy "
+                        "choosing the prefill replica, --decode-policy the decode one (default 0: not disaggregated)")
+    p.add_argument("--decode-policy", choices=POLICIES, default=None,
+                   help="with --prefill-replicas: the decode pool's policy (default: each run's own)")
     p.add_argument("--policy", action="append", choices=POLICIES,
                    help="a policy to run (repeat; default: all of them); prefix-router is serve's prefix-affinity")
     p.add_argument("--rate-scale", type=float, default=1.0, help="divide trace times and think times by this")
@@ -75,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     fleet = FleetConfig(replicas=args.replicas, engine=engine, rate_scale=args.rate_scale,
                         scrape_interval_s=args.scrape_interval, gateways=args.gateways,
-                        kv_events_delay_s=args.kv_events_delay)
+                        kv_events_delay_s=args.kv_events_delay, prefill_replicas=args.prefill_replicas,
+                        decode_policy=args.decode_policy)
     out: dict[str, dict] = {}
     for policy in args.policy or POLICIES:
         if args.slo_ttft_p99 is None:
@@ -127,6 +134,12 @@ def _problem(args: argparse.Namespace) -> str | None:
         return "--kv-events-delay must be a finite number of seconds, 0 or more"
     if args.target_rate is not None and args.slo_ttft_p99 is None:
         return "--target-rate needs --slo-ttft-p99: the objective the fleet must meet at that rate"
+    if not 0 <= args.prefill_replicas <= 100_000:
+        return "--prefill-replicas must be between 0 and 100,000"
+    if args.target_rate is not None and args.prefill_replicas:
+        return "--target-rate sizes a fleet of one pool; leave --prefill-replicas out"
+    if args.decode_policy is not None and not args.prefill_replicas:
+        return "--decode-policy needs --prefill-replicas: a fleet with a decode pool"
     return None
 
 
@@ -156,6 +169,9 @@ def _table(out: dict[str, dict], args: argparse.Namespace) -> str:
         lines.append("(each row's figures at the fastest rate it served, x rate_scale in the JSON)")
     if sizing:
         lines.append("(each row's figures on the fewest replicas found, or on all of them when none served)")
+    if args.prefill_replicas:
+        lines.append(f"(a disaggregated fleet, {args.prefill_replicas} prefill and {args.replicas} decode replicas: "
+                     "each policy chooses the prefill replica; hit rate and busiest / fair are the prefill pool's)")
     return "\n".join(lines)
 
 

@@ -11,6 +11,14 @@ replay`` sends it; a request without a session at its trace time over ``rate_sca
 ``kv_events_delay_s``, each step's KV events reach every gateway instance that much later
 (``events.py``); with ``gateways`` above 1, requests go to the instances in turn, each counting
 only its own in flight, as behind a Service that spreads connections.
+
+With ``prefill_replicas``, the fleet is disaggregated (``serve/disagg.py``): each request is
+first a one-token job on a prefill replica the policy chooses among the prefill pool, whose
+blocks stay held (``SimRequest.hold_blocks``) until the decode replica pulls them; then, chosen
+by the policy among the decode pool when the prefill ends (the gateway chooses it at arrival and
+sends it then: the same load, a prefill later), a job on that replica that arrives after the
+modelled transfer of the blocks it lacks (``kv_transfer.py``'s link) and computes only the
+prompt's last token. TTFT is the decode's first token; the hit rate, the prefill pool's.
 """
 
 from __future__ import annotations
@@ -31,11 +39,12 @@ from prefix_router.tools.fleetsim.router import Sent, SimRouter
 from prefix_router.tools.replay.request import CHAT, ReplayRequest
 from prefix_router.tools.replay.summary import percentile
 from prefix_router.tools.sim.config import SimConfig
+from prefix_router.tools.sim.kv_transfer import BYTES_PER_TOKEN
 from prefix_router.tools.sim.scheduler import Scheduler, SimRequest, Step
 
 __all__ = ["FleetConfig", "simulate"]
 
-_ARRIVE, _STEP, _SCRAPE, _RUN, _EVENTS = 0, 1, 2, 3, 4
+_ARRIVE, _STEP, _SCRAPE, _RUN, _EVENTS, _PULLED = 0, 1, 2, 3, 4, 5
 _LONGEST_RUN = 4096  # decode-only steps applied at once at most
 _MODEL = ""  # the bodies name none: the engine's first block is seeded as the gateway's is
 
@@ -57,6 +66,10 @@ class FleetConfig:
     gateways: int = 1
     kv_events_delay_s: float | None = None
     routing: RoutingConfig | None = None  # this gateway's rule and knobs (serve's ``routing``); None: the defaults
+    # a disaggregated fleet: this many prefill replicas beside the ``replicas`` decode ones (module docstring)
+    prefill_replicas: int = 0
+    decode_policy: str | None = None  # the decode pool's rule (SGLang's gateway: power-of-two); None: the policy's
+    kv_gb_per_s: float = 25.0  # the link the KV cache crosses between the pools (tools/sim/kv_transfer.py)
 
 
 class _Replica:
@@ -105,11 +118,19 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
     # vLLM refuses to start with a max_model_len its KV cache cannot hold: a longer one would
     # leave a request no replica can ever schedule
     engine = replace(engine, max_model_len=min(engine.max_model_len, (engine.num_gpu_blocks - 1) * block_size))
-    names = [f"replica-{i}" for i in range(fleet.replicas)]
+    decoding = [f"replica-{i}" for i in range(fleet.replicas)]
+    prefilling = [f"prefill-{i}" for i in range(fleet.prefill_replicas)]
     events = fleet.kv_events_delay_s is not None
-    routers = [SimRouter(names, policy, block_size=block_size, capacity=engine.num_gpu_blocks, kv_events=events,
-                         routing=fleet.routing) for _ in range(fleet.gateways)]
-    replicas = {n: _Replica(n, engine, [r.replicas[n] for r in routers], events) for n in names}
+
+    def instances(pool: list[str], rule: str) -> list[SimRouter]:  # a pool's router in each gateway instance
+        return [SimRouter(pool, rule, block_size=block_size, capacity=engine.num_gpu_blocks, kv_events=events,
+                          routing=fleet.routing) for _ in range(fleet.gateways)]
+
+    # a disaggregated fleet's pools are chosen among apart, each by its own rule and ring
+    routers = instances(prefilling or decoding, policy)
+    decoders = instances(decoding, fleet.decode_policy or policy) if prefilling else routers
+    replicas = {n: _Replica(n, engine, [r.replicas[n] for r in (decoders if n in decoders[0].replicas else routers)],
+                            events) for n in decoding + prefilling}
     heap: list = []
     order = itertools.count()
 
@@ -126,10 +147,12 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
     next_turn = {chain[k]: chain[k + 1] for chain in chains.values() for k in range(len(chain) - 1)}
     for chain in chains.values():
         push(requests[chain[0]].at_s / fleet.rate_scale, _ARRIVE, chain[0])
-    for k, name in enumerate(names):  # a round of scrapes spread over the interval (fleet/replicas.spread)
-        push(fleet.scrape_interval_s * (1 + k / len(names)), _SCRAPE, name)
+    for k, name in enumerate(replicas):  # a round of scrapes spread over the interval (fleet/replicas.spread)
+        push(fleet.scrape_interval_s * (1 + k / len(replicas)), _SCRAPE, name)
 
     blocks = new_blocks()
+    prefill_names = frozenset(prefilling)
+    transfers: list[int] = []  # prompt tokens each decode leg pulled
     paused: dict[str, float] = {}  # replica -> its last scrape's time, for those idle since
     inflight: dict[SimRequest, tuple[int, Sent, float, SimRouter]] = {}
     ttfts: list[float] = []
@@ -169,16 +192,23 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
             follow(i, t)
             return
         router = routers[i % len(routers)]
-        sent = router.send(info, request.session, t)
+        max_tokens = int(request.body.get("max_tokens") or fleet.default_max_tokens)
+        queue(i, router, router.send(info, request.session, t), ids, 1 if prefilling else max(max_tokens, 1), t, t)
+
+    def queue(i: int, router: SimRouter, sent: Sent, ids: list[int], max_tokens: int, t: float, arrived: float,
+              pulled: int = 0) -> None:
+        """A job for request ``i`` on its replica at ``t``: the whole request, a prefill leg (its
+        blocks held) or a decode leg (``pulled`` prompt tokens come computed)."""
+        request, info = requests[i], sent.info
         replica = replicas[sent.replica.name]
         if replica.name in paused:  # its scrapes resume, at their times, from the next one
             last, interval = paused.pop(replica.name), fleet.scrape_interval_s
             push(last + max(math.ceil((t - last) / interval), 1) * interval, _SCRAPE, replica.name)
-        max_tokens = int(request.body.get("max_tokens") or fleet.default_max_tokens)
-        job = SimRequest(str(i), ids, max(max_tokens, 1), model=_MODEL, arrival_s=t)
+        job = SimRequest(str(i), ids, max_tokens, model=_MODEL, arrival_s=t)
+        job.hold_blocks, job.num_external_tokens = replica.name in prefill_names, pulled
         if info.exact and request.path != CHAT and not isinstance(request.body.get("prompt"), str):
             job.block_hashes = list(info.hashes)  # the gateway hashed these very ids, as the engine would
-        inflight[job] = (i, sent, t, router)
+        inflight[job] = (i, sent, arrived, router)
         if replica.run is not None:  # the run ends with the step under way: the request waits for the next
             ends = replica.run
             m = min(bisect.bisect_right(ends, t) + 1, len(ends))
@@ -198,7 +228,8 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
     def step_ended(replica: _Replica, t: float) -> None:
         for job in replica.scheduler.finish_step(replica.step, t):
             if job.num_output_tokens == 1:
-                ttfts.append(t - inflight[job][2])
+                if not job.hold_blocks:  # a prefill leg's token is not the client's
+                    ttfts.append(t - inflight[job][2])
                 SimRouter.first_token(inflight[job][1])
             if job.finish_reason is not None:
                 ended(replica, job, t)
@@ -216,9 +247,31 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
         if events and (batch := replica.scheduler.kv.take_events()):
             push(t + fleet.kv_events_delay_s, _EVENTS, (replica.name, publish(batch, t)))
 
+    def prefilled(replica: _Replica, job: SimRequest, t: float) -> None:
+        """A prefill leg ended: its decode leg is chosen and sent once the blocks it lacks moved."""
+        i, sent, arrived, router = inflight.pop(job)
+        router.finished(sent, job.num_output_tokens, t)
+        request, ids = requests[i], job.token_ids[: job.num_prompt_tokens]
+        router = decoders[i % len(decoders)]
+        decode = router.send(sent.info, request.session, t)
+        local = len(replicas[decode.replica.name].scheduler.kv.find_longest_cache_hit(job.block_hashes, len(ids)))
+        moved = max(len(ids) - 1 - local * block_size, 0)
+        transfers.append(moved)
+        push(t + moved * BYTES_PER_TOKEN / (fleet.kv_gb_per_s * 1e9), _PULLED,
+             (replica.name, job.request_id, i, router, decode, ids, arrived))
+
+    def pulled(prefill: str, job_id: str, i: int, router: SimRouter, sent: Sent, ids: list[int], arrived: float,
+               t: float) -> None:
+        replicas[prefill].scheduler.release_held(job_id)
+        max_tokens = int(requests[i].body.get("max_tokens") or fleet.default_max_tokens)
+        queue(i, router, sent, ids, max(max_tokens, 1), t, arrived, pulled=len(ids))
+
     def ended(replica: _Replica, job: SimRequest, t: float) -> None:
         nonlocal done, end
         end = t
+        if job.hold_blocks:
+            prefilled(replica, job, t)
+            return
         i, sent, sent_at, router = inflight.pop(job)
         router.finished(sent, job.num_output_tokens, t)
         done += 1
@@ -240,9 +293,12 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
         elif kind == _RUN:
             if payload[1] == replicas[payload[0]].runs:
                 run_ended(replicas[payload[0]], now)
+        elif kind == _PULLED:
+            pulled(*payload, now)
         elif kind == _EVENTS:
-            for router in routers:
-                router.feeds[payload[0]].receive(payload[1])
+            for router in routers + decoders if prefilling else routers:
+                if payload[0] in router.feeds:
+                    router.feeds[payload[0]].receive(payload[1])
         elif inflight or arrivals:
             replica = replicas[payload]
             scheduler = replica.scheduler
@@ -253,11 +309,19 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
             else:  # idle: its next scrapes would read what this one read, until a request is sent to it
                 paused[payload] = now
     offered = (done + rejected) / (last_at - first_at) if last_at > first_at else None  # as capacity.trace_rate
-    return {**_figures(replicas, routers, ttfts, done, rejected, end), "offered_rps": offered}
+    if not prefilling:
+        return {**_figures(replicas, routers, ttfts, done, rejected, end), "offered_rps": offered}
+    pool = {n: replicas[n] for n in prefilling}  # where prompts were computed
+    return {**_figures(pool, routers, ttfts, done, rejected, end), "offered_rps": offered,
+            "decode_busiest_over_fair": _figures({n: replicas[n] for n in decoding}, decoders, [], 0, 0, 0)[
+                "busiest_over_fair"], "transfer_tokens": sum(transfers),
+            "decode_computed_tokens": sum(replicas[n].scheduler.num_prompt_tokens for n in decoding),
+            "held_at_end": sum(len(replicas[n].scheduler.held) for n in prefilling)}
 
 
 def _figures(replicas: dict, routers: list[SimRouter], ttfts: list[float], done: int, rejected: int,
              end: float) -> dict:
+    """The figures of ``simulate`` over ``replicas`` (a disaggregated fleet's prefill pool, or all)."""
     queries = sum(r.scheduler.kv.num_queries for r in replicas.values())
     hits = sum(r.scheduler.kv.num_hits for r in replicas.values())
     sent = [sum(router.sent_to[n] for router in routers) for n in replicas]

@@ -64,6 +64,16 @@ def test_a_json_file_that_cannot_be_written_is_said_without_a_traceback(capsys):
     assert "could not write /dev/full" in capsys.readouterr().err
 
 
+def test_a_disaggregated_fleet_is_two_flags_and_its_table_says_whose_figures_they_are(tmp_path, capsys):
+    out = tmp_path / "fleet.json"
+    assert main(["fleetsim", "--workload", "chat", "--limit", "40", "--replicas", "2", "--prefill-replicas", "2",
+                 "--decode-policy", "prefix-router", "--policy", "round-robin", "--json", str(out)]) == 0
+    assert "the prefill pool's" in capsys.readouterr().out
+    figures = json.loads(out.read_text())["round-robin"]
+    assert figures["requests"] == 40 and figures["transfer_tokens"] > 0 and figures["held_at_end"] == 0
+    assert main(["fleetsim", "--replicas", "2", "--decode-policy", "round-robin"]) == 2  # no decode pool
+
+
 def test_bad_input_is_refused_with_a_message_and_status_2(tmp_path, capsys):
     assert main(["fleetsim", "--replicas", "0"]) == 2
     assert main(["fleetsim", "--replicas", "2", "--trace", str(tmp_path / "missing.jsonl")]) == 2

@@ -156,3 +156,24 @@ def test_late_events_do_not_lengthen_the_run_they_come_after(mixed):
     plain = simulate(mixed, "least-loaded", FleetConfig(replicas=4, engine=SMALL), tok)
     late = simulate(mixed, "least-loaded", FleetConfig(replicas=4, engine=SMALL, kv_events_delay_s=1000.0), tok)
     assert late["duration_s"] == plain["duration_s"] < 1000 and late["ttft_p99_s"] == plain["ttft_p99_s"]
+
+
+# -- a disaggregated fleet -------------------------------------------------------------------------
+
+def test_a_disaggregated_fleet_serves_every_request_with_decodes_computing_one_token_each(mixed):
+    tok = load_tokenizer(None)
+    fleet = FleetConfig(replicas=3, prefill_replicas=2, engine=SMALL)
+    records: list[dict] = []
+    figures = simulate(mixed, "prefix-router", fleet, tok, records=records)
+    assert figures["requests"] == len(mixed) and figures["held_at_end"] == 0  # every held block pulled
+    assert figures["decode_computed_tokens"] == len(mixed)  # the last prompt token each, the rest pulled
+    assert figures["transfer_tokens"] > 0
+    assert {r["replica"] for r in records} == {"replica-0", "replica-1", "replica-2"}  # ended on decode replicas
+    assert simulate(mixed, "prefix-router", fleet, tok) == figures  # one run for one seed
+
+
+def test_choosing_the_prefill_replica_by_its_cache_reuses_more_than_round_robin(mixed):
+    tok = load_tokenizer(None)
+    fleet = FleetConfig(replicas=2, prefill_replicas=4, engine=SMALL, decode_policy="prefix-router")
+    ours, turns = (simulate(mixed, p, fleet, tok)["token_hit_rate"] for p in ("prefix-router", "round-robin"))
+    assert ours > turns + 0.1
