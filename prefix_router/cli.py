@@ -21,8 +21,8 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sim", help="run one simulated vLLM replica (OpenAI API, APC, vLLM metrics)",
                        description="A stand-in vLLM replica: same HTTP API, prefix-cache rules and "
                                    "metrics; timing modelled on one H100 serving an 8B model.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument("--model", default=d.model, help="served model name (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
     p.add_argument("--num-blocks", type=int, default=d.num_gpu_blocks,
@@ -77,8 +77,9 @@ def _run_sim(args: argparse.Namespace) -> int:
     try:
         web.run_app(app, host=args.host, port=args.port, access_log=None, backlog=4096,
                     print=lambda *_: print(f"simulated vLLM replica on http://{args.host}:{args.port} "
-                                           f"model={config.model} blocks={config.num_gpu_blocks}x{config.block_size}",
-                                           flush=True))
+                                           f"model={config.model} blocks={config.num_gpu_blocks}x{config.block_size}"
+                                           + (f" kv_role={config.kv_transfer['kv_role']}" if config.kv_transfer
+                                              else ""), flush=True))
     except OSError as exc:  # the port taken, an address this machine does not have
         print(f"prefix-router sim: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1

@@ -156,12 +156,22 @@ def _build(cls: type, data: Mapping[Any, Any], path: str) -> Any:
 
 
 def _check_unique_replicas(config: GatewayConfig) -> None:
+    """Each URL listed once, in one role; prefill replicas with somewhere to send the decode leg."""
     seen: dict[str, int] = {}
     for i, replica in enumerate(config.replicas):
         if replica.url in seen:
+            first = config.replicas[seen[replica.url]]
+            if first.role != replica.role:
+                raise ConfigError(f"replicas[{i}].url: {replica.url!r} is already replicas[{seen[replica.url]}] "
+                                  f"with role {first.role}; a replica has one role (its vLLM kv_role)")
             raise ConfigError(f"replicas[{i}].url: {replica.url!r} is already replicas"
                               f"[{seen[replica.url]}]; use weight to give a replica more share")
         seen[replica.url] = i
+    prefill = [i for i, r in enumerate(config.replicas) if r.role == "prefill"]
+    if (prefill or config.discovery.prefill_dns) and len(prefill) == len(config.replicas) and not config.discovery.dns:
+        where = f"replicas[{prefill[0]}].role" if prefill else "discovery.prefill_dns"
+        raise ConfigError(f"{where}: prefill replicas need decode replicas to hand their requests to "
+                          "(role decode, --decode URL, or discovery.dns)")
 
 
 def _check_keys(auth: AuthConfig) -> None:

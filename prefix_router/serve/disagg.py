@@ -165,7 +165,8 @@ async def serve_split(request: web.Request, gw: Gateway, inbound: Inbound, info:
     body, carried = decode_body(inbound.body, prefilled.answer)
     transfer = "pulled" if carried else ("no_params" if prefilled.slot is not None else "prefill_failed")
     if prefilled.slot is not None and not carried:
-        log.warning("prefill replica %s answered without kv_transfer_params; the decode computes the prompt",
+        log.warning("prefill replica %s answered without kv_transfer_params, so the decode replica computes the "
+                    "prompt: is it started with --kv-transfer-config and kv_role kv_producer?",
                     prefilled.slot.replica.name)
     whole = dumps(decode_body(inbound.body, None)[0])
     outcome = await forward(request, gw, dataclasses.replace(legs, payload=dumps(body) if carried else whole), info,

@@ -172,3 +172,15 @@ def test_an_error_from_a_file_names_the_nested_key(tmp_path):
 def test_a_removed_setting_names_what_replaced_it():
     with pytest.raises(ConfigError, match=r"routing\.spill_queue_depth: no longer a setting; .*routing\.load_factor"):
         config_from_dict({"routing": {"spill_queue_depth": 8}})
+
+
+def test_a_replica_has_one_role_and_prefill_replicas_need_a_decode_pool():
+    with pytest.raises(ConfigError, match=r"^replicas\[1\]\.url: .* with role prefill; a replica has one role"):
+        config_from_dict({"replicas": [{"url": "http://a:8000", "role": "prefill"},
+                                       {"url": "http://a:8000", "role": "decode"}]})
+    with pytest.raises(ConfigError, match=r"^replicas\[0\]\.role: prefill replicas need decode replicas"):
+        config_from_dict({"replicas": [{"url": "http://a:8000", "role": "prefill"}]})
+    with pytest.raises(ConfigError, match=r"^discovery\.prefill_dns: prefill replicas need decode replicas"):
+        config_from_dict({"discovery": {"prefill_dns": "vllm-prefill"}})
+    assert config_from_dict({"replicas": [{"url": "http://a:8000", "role": "prefill"}],
+                             "discovery": {"dns": "vllm"}}).replicas[0].role == "prefill"

@@ -82,18 +82,25 @@ def test_every_panel_query_and_alert_expression_returns_data_from_a_real_prometh
                          "replay_endpoint": "tcp://127.0.0.1:*"})
     sims = [sim_server(tmp_path, ["--model", "sim", "--time-scale", "20", "--tokenizer", tokenizer,
                                   "--kv-events-config", events]) for _ in range(3)]
-    with running(sims) as replicas:
+    # and a disaggregated pair behind a gateway of its own, so the prefill/decode panel has series
+    pair = [sim_server(tmp_path, ["--model", "sim", "--time-scale", "20", "--kv-transfer-config",
+                                  json.dumps({"kv_connector": "NixlConnector", "kv_role": role})])
+            for role in ("kv_producer", "kv_consumer")]
+    with running(sims + pair) as urls:
+        replicas, (prefill, decode) = urls[:3], urls[3:]
         # the tightest load bound and no holder's leave, so the spillover panel has series too
         (tmp_path / "gateway.yaml").write_text("routing:\n  load_factor: 1\n  holder_load_factor: 1\n"
                                                "  holder_share_factor: 1\n  holder_slack: 0\n")
         args = ["--config", str(tmp_path / "gateway.yaml"), "--tokenizer", tokenizer]
-        with running([gateway_server(tmp_path, replicas, args)]) as (gateway,):
+        split = gateway_server(tmp_path, [], ["--prefill", prefill, "--decode", decode])
+        with running([gateway_server(tmp_path, replicas, args), split]) as (gateway, split_gateway):
             port = free_port()
             targets = lambda urls: [u.split("//")[1] for u in urls]  # noqa: E731
             config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                       "rule_files": [str(ALERTS)],
-                      "scrape_configs": [{"job_name": "prefix-router", "static_configs": [{"targets": targets([gateway])}]},
-                                         {"job_name": "vllm", "static_configs": [{"targets": targets(replicas)}]}]}
+                      "scrape_configs": [{"job_name": "prefix-router",
+                                          "static_configs": [{"targets": targets([gateway, split_gateway])}]},
+                                         {"job_name": "vllm", "static_configs": [{"targets": targets(urls)}]}]}
             (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
             prom = Server([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
                            f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
@@ -102,6 +109,7 @@ def test_every_panel_query_and_alert_expression_returns_data_from_a_real_prometh
                 # cache-breaking clients too, so miss_changed and lost tokens have series
                 requests = builtin_workload("mixed", sessions=12, seed=4)
                 records = asyncio.run(replay(requests, gateway, model="sim", time_scale=20))
+                records += asyncio.run(replay(requests[:20], split_gateway, model="sim", time_scale=20))
                 assert all(r.error is None for r in records)
                 time.sleep(4)  # a few scrapes after the last request
                 empty = [title for title, expr in panel_queries()

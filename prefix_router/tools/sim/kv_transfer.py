@@ -69,13 +69,16 @@ class Connector:
     ``kv_lease_duration``), and ``gb_per_s``, default 25: a 400 Gb/s RDMA link at half its rate).
     ``None``: no connector, as a replica started without the option.
 
-    Raises ValueError for a ``kv_role`` vLLM does not know."""
+    Raises ValueError for a missing or unknown ``kv_role``, or another ``kv_connector``."""
 
     def __init__(self, config: dict | None) -> None:
         config = config or {}
         self.role = config.get("kv_role")
-        if self.role is not None and self.role not in ROLES:
-            raise ValueError(f"kv_role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if config and self.role not in ROLES:
+            raise ValueError(f"--kv-transfer-config: kv_role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if config and config.get("kv_connector", "NixlConnector") != "NixlConnector":
+            raise ValueError("--kv-transfer-config: the simulator plays NixlConnector's request flow only, "
+                             f"not {config.get('kv_connector')!r}")
         extra = config.get("kv_connector_extra_config") or {}
         self.lease_s = float(extra.get("lease_s", 30.0))
         self.gb_per_s = float(extra.get("gb_per_s", 25.0))

@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import pytest
+
 from prefix_router.serve.disagg import PREFILL_PARAMS
+from prefix_router.tools.sim.kv_transfer import Connector
 from prefix_router.tools.sim.server import CONNECTOR, ENGINE
 
 from .test_server import CONFIG, MODEL, make_client, metric_samples, prompt_ids
@@ -106,3 +109,11 @@ async def test_a_replica_without_a_connector_counts_parameters_it_was_sent(aioht
     status, body = await post(plain, prompt=prompt_ids(40), max_tokens=1, kv_transfer_params=dict(PREFILL_PARAMS))
     assert status == 200 and "kv_transfer_params" not in body
     assert plain.server.app[CONNECTOR].violations["no_connector"] == 1
+
+
+def test_a_connector_config_names_a_role_vllm_knows_and_nixls_flow():
+    for bad in ({"kv_connector": "NixlConnector"}, {"kv_role": "kv_prefill"},
+                {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}):
+        with pytest.raises(ValueError, match="--kv-transfer-config"):
+            Connector(bad)
+    assert Connector(None).role is None and Connector(PRODUCER).role == "kv_producer"
