@@ -211,6 +211,10 @@ async def _messages(request: web.Request) -> web.StreamResponse:
 
 
 async def _passthrough(request: web.Request) -> web.StreamResponse:
+    if "." in request.path and any(segment in (".", "..") for segment in request.path.split("/")):
+        # the HTTP client forwarding it resolves them (RFC 3986): /v1/./completions would reach
+        # /v1/completions past every check that path gets (aiohttp's path is percent-decoded)
+        return openai_error(400, "a path with . or .. segments is not served", "path")
     return await handle_passthrough(request, request.app[GATEWAY])
 
 

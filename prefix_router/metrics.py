@@ -89,7 +89,8 @@ class GatewayMetrics:
         # a disaggregated fleet's decode legs (serve/disagg.py): transfer is pulled (the prefill's
         # kv_transfer_params handed over), no_params (its answer had none), prefill_failed (no
         # prefill replica served it), decode_retried (a decode attempt failed; the retry computed
-        # the prompt), short (min_prefill_tokens), whole (not split: n > 1 ...)
+        # the prompt), short (no full block to move, or fewer uncached tokens than
+        # min_prefill_tokens), whole (not split: n > 1 ...)
         self.decode_requests = Counter("prefix_router_decode_requests",
                                        "Requests sent to a decode replica, by replica and how the prompt's KV came.",
                                        ("replica", "transfer"), registry=r)

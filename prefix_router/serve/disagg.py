@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import time
 import uuid
 from typing import Any
@@ -37,6 +38,7 @@ import orjson
 from aiohttp import web
 
 from prefix_router.constants import REPLICA_HEADER
+from prefix_router.errors import openai_error
 from prefix_router.gateway import Gateway
 from prefix_router.prompts.analysis import PromptInfo
 from prefix_router.prompts.responses import RESPONSES, chat_usage
@@ -45,8 +47,8 @@ from prefix_router.serve.bodies import loads
 from prefix_router.serve.forward import Choose, InFlight, Outcome, breaker_record, forward
 from prefix_router.serve.inbound import Inbound
 
-__all__ = ["PREFILL_PARAMS", "TRANSFER_KEY", "decode_body", "dumps", "prefill_body", "serve_split", "short_suffix",
-           "unsplittable"]
+__all__ = ["PREFILL_PARAMS", "TRANSFER_KEY", "decode_body", "dumps", "prefill_body", "prefill_refusal", "serve_split",
+           "short_suffix", "unsplittable"]
 
 log = logging.getLogger(__name__)
 
@@ -154,10 +156,18 @@ async def serve_split(request: web.Request, gw: Gateway, inbound: Inbound, info:
     accounts the prompt's cache on the prefill replica (that is where it was computed); its
     ``decode`` and ``transfer`` say the rest."""
     started = time.perf_counter()
+    refused = prefill_refusal(inbound.body, inbound.path)
+    if refused is not None:
+        return Outcome(openai_error(400, *refused), 400)
+    try:
+        payload = dumps(prefill_body(inbound.body, inbound.path), inbound.raw)
+        whole = dumps(decode_body(inbound.body, None)[0], inbound.raw)
+    except RecursionError:  # orjson's depth limit, then Python's
+        return Outcome(openai_error(400, "request body is nested too deeply", "body"), 400)
     rid = f"prefix-router-{uuid.uuid4().hex}"  # one X-Request-Id on both legs, as vLLM's proxy does
     headers = {**{k: v for k, v in inbound.headers.items() if k.lower() != "x-request-id"}, "X-Request-Id": rid}
     legs = dataclasses.replace(inbound, headers=headers)
-    prefilled = await _prefill(gw, legs, info, choose_prefill)
+    prefilled = await _prefill(gw, legs, info, choose_prefill, payload)
     if prefilled.refused is not None:
         return Outcome(prefilled.refused, prefilled.refused.status, prefilled.slot.replica, prefilled.decision,
                        prefilled.decision.route, held_blocks=prefilled.slot.held_blocks, elapsed_s=
@@ -168,9 +178,8 @@ async def serve_split(request: web.Request, gw: Gateway, inbound: Inbound, info:
         log.warning("prefill replica %s answered without kv_transfer_params, so the decode replica computes the "
                     "prompt: is it started with --kv-transfer-config and kv_role kv_producer?",
                     prefilled.slot.replica.name)
-    whole = dumps(decode_body(inbound.body, None)[0])
-    outcome = await forward(request, gw, dataclasses.replace(legs, payload=dumps(body) if carried else whole), info,
-                            decision, choose_decode, retry_payload=whole, started=started)
+    decoding = dataclasses.replace(legs, payload=dumps(body, inbound.raw) if carried else whole)
+    outcome = await forward(request, gw, decoding, info, decision, choose_decode, retry_payload=whole, started=started)
     if carried and outcome.route is Route.RETRY:  # the retry went without the transfer
         carried, transfer = False, "decode_retried"
     if outcome.replica is not None:
@@ -180,12 +189,51 @@ async def serve_split(request: web.Request, gw: Gateway, inbound: Inbound, info:
     return _accounted(outcome, prefilled, transfer, inbound.path)
 
 
-def dumps(body: dict) -> bytes:
-    """A leg's body as JSON: orjson, or Python's json for lone surrogates, which orjson refuses."""
-    try:
-        return orjson.dumps(body)
-    except TypeError:
-        return json.dumps(body).encode()
+def dumps(body: dict, raw: bytes = b"") -> bytes:
+    """A leg's body as JSON: orjson, or Python's json for lone surrogates and integers beyond 64
+    bits, which orjson refuses, and for NaN and infinities, which it would write as null (``raw``:
+    the client's bytes, where they show). Raises RecursionError for a body nested too deeply."""
+    if b"NaN" not in raw and b"Infinity" not in raw:
+        try:
+            return orjson.dumps(body)
+        except TypeError:
+            pass
+    return json.dumps(body).encode()
+
+
+def prefill_refusal(body: dict[str, Any], path: str) -> tuple[str, str] | None:
+    """(message, param) of the 400 vLLM would give for a field the prefill leg replaces or drops
+    (the token limits, ``stream_options``, ``min_tokens``), else None. Checked before the prefill
+    leg: once it ran, the prompt's blocks stay held for a decode that would be refused, until the
+    lease ends. Values are read as vLLM's pydantic models read them (``"5"`` and ``5.0`` are 5)."""
+    limits = {}
+    for field in (*_LIMITS[path], "min_tokens", "min_completion_tokens"):
+        value = body.get(field)
+        if value is None:
+            continue
+        number = _integer(value)
+        least = 0 if field.startswith("min_") else 1
+        if number is None or not least <= number < 1 << 63:
+            return f"{field} must be an integer of at least {least}, got {str(value)[:40]!r}", field
+        limits[field] = number
+    most = limits.get("max_completion_tokens", limits.get("max_tokens"))
+    least = limits.get("min_completion_tokens", limits.get("min_tokens"))
+    if most is not None and least is not None and least > most:
+        return f"min_tokens must be less than or equal to max_tokens={most}, got {least}.", "min_tokens"
+    if body.get("stream_options") is not None and body.get("stream") is not True:
+        return "Stream options can only be defined when `stream=True`.", "stream_options"
+    return None
+
+
+def _integer(value: Any) -> int | None:
+    """``value`` as pydantic's lax mode reads an integer, else None."""
+    if isinstance(value, (bool, int)):
+        return int(value)
+    if isinstance(value, float):
+        return int(value) if math.isfinite(value) and value.is_integer() else None
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value.strip())
+    return None
 
 
 def _accounted(outcome: Outcome, prefilled: _Prefilled, transfer: str, path: str) -> Outcome:
@@ -201,10 +249,9 @@ def _accounted(outcome: Outcome, prefilled: _Prefilled, transfer: str, path: str
                                view=slot.view, removals=slot.removals, decode=outcome.replica, transfer=transfer)
 
 
-async def _prefill(gw: Gateway, inbound: Inbound, info: PromptInfo, choose: Choose) -> _Prefilled:
-    """The prefill leg, retried on another prefill replica after a 5xx or no answer, up to
-    ``upstream.max_retries`` times; an empty ``_Prefilled`` when none served it."""
-    payload = dumps(prefill_body(inbound.body, inbound.path))
+async def _prefill(gw: Gateway, inbound: Inbound, info: PromptInfo, choose: Choose, payload: bytes) -> _Prefilled:
+    """The prefill leg (``payload``), retried on another prefill replica after a 5xx or no answer,
+    up to ``upstream.max_retries`` times; an empty ``_Prefilled`` when none served it."""
     tried: set[str] = set()
     answered_5xx = []  # blamed only once another prefill replica served it (as forward.py does)
     for attempt in range(gw.config.upstream.max_retries + 1):

@@ -80,7 +80,8 @@ async def _serve(request: web.Request, gw: Gateway, inbound: Inbound, info: Prom
     decode = lambda tried: choose(gw, info, inbound.session, tried, allowed)  # noqa: E731
     if not gw.prefill_names:
         return await forward(request, gw, inbound, info, decision, decode)
-    whole = "whole" if unsplittable(inbound.body, inbound.path) else "short" if short_suffix(gw, info, decision) else None
+    whole = ("whole" if unsplittable(inbound.body, inbound.path) else
+             "short" if gw.max_hit_blocks(info) == 0 or short_suffix(gw, info, decision) else None)  # no block to move
     if whole is None:
         pool = gw.serving(inbound.body.get("model"))
         prefill = gw.prefill_names if pool is None else gw.prefill_names & pool

@@ -13,6 +13,7 @@ import json
 
 import pytest
 from aiohttp import web
+from yarl import URL
 
 from prefix_router.app import create_app
 from prefix_router.config import ConfigError, config_from_dict
@@ -309,6 +310,19 @@ async def test_kv_transfer_params_from_a_client_never_reach_a_replica(gateway):
             error = (await resp.json())["error"]
             assert resp.status == 400 and error["param"] == "kv_transfer_params", (tenants, path)
             assert len(replica.seen) == before, (tenants, path)
+
+
+@pytest.mark.parametrize("path", ["/v1/./completions", "/v1/x/../completions", "/v1/%2E/completions",
+                                  "/./v1/chat/completions", "/v1/responses/%2e%2e/responses"])
+async def test_a_path_with_dot_segments_reaches_no_replica(gateway, path):
+    """The client library forwarding a request resolves . and .. (RFC 3986): such a path would reach
+    a routed endpoint past its checks (found by an attack on an open gateway)."""
+    replica, client = await gateway(tenants=False)
+    body = {**_body_for("/v1/completions"), "kv_transfer_params": {"do_remote_decode": True}}
+    raw = URL(str(client.make_url("")).rstrip("/") + path, encoded=True)  # sent as written, not resolved
+    resp = await client.session.post(raw, json=body)
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "path"
+    assert not replica.seen
 
 
 async def test_the_engines_own_keys_do_not_ride_in_by_a_body_msgspec_cannot_read_or_in_extra_args(gateway):

@@ -12,7 +12,8 @@ from aiohttp import web
 from prefix_router.app import create_app
 from prefix_router.config import config_from_dict
 from prefix_router.prompts.tokenizer import ByteTokenizer
-from prefix_router.serve.disagg import PREFILL_PARAMS, TRANSFER_KEY, decode_body, prefill_body, unsplittable
+from prefix_router.serve.disagg import (PREFILL_PARAMS, TRANSFER_KEY, decode_body, prefill_body, prefill_refusal,
+                                       unsplittable)
 
 from ..helpers import MODEL, metric
 
@@ -171,7 +172,7 @@ async def test_a_prefill_4xx_goes_to_the_client_and_no_decode_leg_is_sent(split_
     refusing = Prefill(lambda body: (400, {"error": {"message": "bad", "type": "BadRequestError", "param": None,
                                                     "code": 400}}))
     client, _, log = await split_gateway([refusing])
-    resp = await client.post(CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    resp = await client.post(CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "words " * 30}]})
     assert resp.status == 400 and (await resp.json())["error"]["message"] == "bad"
     page = await (await client.get("/metrics")).text()
     assert metric(page, "prefix_router_decode_requests_total") == 0
@@ -187,7 +188,7 @@ async def test_a_failing_prefill_is_retried_on_another_and_none_left_means_the_d
     # the second prefill answered without kv_transfer_params: every decode computed the prompt itself
     assert {line["transfer"] for line in _lines(log)} == {"no_params"}
     client, _, log = await split_gateway([failing])
-    resp = await client.post(CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+    resp = await client.post(CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "words " * 30}],
                                          "max_tokens": 2})
     assert resp.status == 200 and _lines(log)[-1]["transfer"] == "prefill_failed"
 
@@ -204,3 +205,49 @@ async def test_a_decode_replica_lacking_only_a_short_suffix_serves_the_request_w
     assert (await client.post(CHAT, json=other)).status == 200
     assert [line["transfer"] for line in _lines(log)] == ["no_params", "short", "short", "no_params"]
     assert len(prefill.seen) == 2
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 2 ** 70),
+                                          ("max_tokens", "x"), ("max_tokens", 1.5), ("max_completion_tokens", 0),
+                                          ("min_tokens", -1), ("min_tokens", 99), ("stream_options", {})])
+def test_a_field_the_prefill_leg_replaces_is_checked_before_it_as_vllm_would(field, value):
+    body = {"model": "m", "messages": [], "max_tokens": 8, field: value}
+    message, param = prefill_refusal(body, CHAT)
+    assert param == (field if field != "min_tokens" or value == -1 else "min_tokens") and message
+
+
+@pytest.mark.parametrize("value", [1, "5", 5.0, True, None])
+def test_what_vllms_pydantic_reads_as_a_positive_integer_passes(value):
+    assert prefill_refusal({"max_tokens": value, "stream": True, "stream_options": {"include_usage": True}}, CHAT) is None
+    assert prefill_refusal({"max_output_tokens": value}, RESPONSES) is None
+
+
+async def test_a_request_the_decode_would_refuse_holds_no_prefill_blocks_it_gets_its_400_first(split_gateway):
+    prefill = Prefill(_answered(None))
+    client, _, log = await split_gateway([prefill])
+    long = [{"role": "user", "content": "words " * 40}]
+    for body in ({"max_tokens": 0}, {"max_tokens": 4, "min_tokens": 9}, {"stream_options": {"include_usage": True}}):
+        resp = await client.post(CHAT, json={"model": MODEL, "messages": long, **body})
+        assert resp.status == 400, body
+    nested = b'{"model":"' + MODEL.encode() + b'","messages":[{"role":"user","content":"' + b"w " * 40 + \
+        b'"}],"x":' + b"[" * 1000 + b"]" * 1000 + b"}"
+    resp = await client.post(CHAT, data=nested, headers={"Content-Type": "application/json"})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "body"
+    assert not prefill.seen
+
+
+async def test_nan_and_infinities_reach_both_legs_as_the_client_wrote_them(split_gateway):
+    prefill = Prefill(_answered(None))
+    client, _, _ = await split_gateway([prefill])
+    raw = b'{"model":"' + MODEL.encode() + b'","max_tokens":2,"temperature":NaN,"top_p":Infinity,' \
+          b'"messages":[{"role":"user","content":"' + b"word " * 40 + b'"}]}'
+    await client.post(CHAT, data=raw, headers={"Content-Type": "application/json"})
+    body, _ = prefill.seen[0]
+    assert body["temperature"] != body["temperature"] and body["top_p"] == float("inf")  # not null
+
+
+async def test_a_prompt_with_no_full_block_goes_whole_to_its_decode_replica(split_gateway):
+    prefill = Prefill(_answered(None))
+    client, _, log = await split_gateway([prefill])
+    resp = await client.post(CHAT, json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status == 200 and not prefill.seen and _lines(log)[0]["transfer"] == "short"
