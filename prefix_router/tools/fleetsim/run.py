@@ -69,6 +69,8 @@ class FleetConfig:
     # a disaggregated fleet: this many prefill replicas beside the ``replicas`` decode ones (module docstring)
     prefill_replicas: int = 0
     decode_policy: str | None = None  # the decode pool's rule (SGLang's gateway: power-of-two); None: the policy's
+    # a request whose decode replica lacks fewer prompt tokens goes whole to it (disaggregation.min_prefill_tokens)
+    min_prefill_tokens: int = 0
     kv_gb_per_s: float = 25.0  # the link the KV cache crosses between the pools (tools/sim/kv_transfer.py)
 
 
@@ -192,8 +194,15 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
             follow(i, t)
             return
         router = routers[i % len(routers)]
-        max_tokens = int(request.body.get("max_tokens") or fleet.default_max_tokens)
-        queue(i, router, router.send(info, request.session, t), ids, 1 if prefilling else max(max_tokens, 1), t, t)
+        max_tokens = max(int(request.body.get("max_tokens") or fleet.default_max_tokens), 1)
+        if prefilling and (fleet.min_prefill_tokens or (len(ids) - 1) // block_size == 0):  # serve/proxy._serve
+            decoder = decoders[i % len(decoders)]
+            decision = decoder.choose(info, request.session, t)
+            if ((len(ids) - 1) // block_size == 0
+                    or len(ids) - decision.predicted_blocks * block_size < fleet.min_prefill_tokens):
+                queue(i, decoder, decoder.acquire(info, decision, t), ids, max_tokens, t, t)
+                return
+        queue(i, router, router.send(info, request.session, t), ids, 1 if prefilling else max_tokens, t, t)
 
     def queue(i: int, router: SimRouter, sent: Sent, ids: list[int], max_tokens: int, t: float, arrived: float,
               pulled: int = 0) -> None:

@@ -22,27 +22,32 @@ __all__ = ["Answer", "usage_of"]
 COMPLETION, CHAT, RESPONSES = "completion", "chat", "responses"
 
 
-def usage_of(children: list[SimRequest]) -> dict:
+def usage_of(children: list[SimRequest], cached: int | None = None) -> dict:
     """The chat and completion APIs' usage of a request's sequences: the prompt counted once,
-    the outputs summed, the cache hit of the first (vLLM reports the parent's)."""
+    the outputs summed, the cache hit of the first (vLLM reports the parent's), or ``cached``
+    where given (a decode leg reports its prefill's hit: ``remote_prefill_cached_tokens``, as
+    vLLM 0.32's ``OutputProcessor`` does)."""
     first = children[0]
     out = sum(c.num_output_tokens for c in children)
+    hit = first.num_cached_tokens or 0 if cached is None else cached
     return {"prompt_tokens": first.num_prompt_tokens, "total_tokens": first.num_prompt_tokens + out,
-            "completion_tokens": out, "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens or 0}}
+            "completion_tokens": out, "prompt_tokens_details": {"cached_tokens": hit}}
 
 
-def _responses_usage(children: list[SimRequest]) -> dict:
-    u = usage_of(children)
+def _responses_usage(children: list[SimRequest], cached: int | None = None) -> dict:
+    u = usage_of(children, cached)
     return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens":
             u["prompt_tokens_details"]["cached_tokens"]}, "output_tokens": u["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": u["total_tokens"]}
 
 
 class Answer:
-    """One request's answer in the API ``kind`` (``completion``, ``chat``, ``responses``)."""
+    """One request's answer in the API ``kind`` (``completion``, ``chat``, ``responses``), its
+    usage reporting ``cached`` prompt tokens as cached where given."""
 
-    def __init__(self, kind: str, rid: str, model: str, include_usage: bool) -> None:
+    def __init__(self, kind: str, rid: str, model: str, include_usage: bool, cached: int | None = None) -> None:
         self.kind, self.rid, self.model, self.include_usage = kind, rid, model, include_usage
+        self.cached = cached  # the cache hit to report in place of the engine's (``usage_of``)
         self.created = int(time.time())
         self.item = "msg_" + rid.split("-", 1)[-1]
         self.sequence = 0  # Responses events are numbered
@@ -58,7 +63,7 @@ class Answer:
             obj = "chat.completion" if self.kind == CHAT else "text_completion"
             choices = [self._choice(i, c, t) for i, (c, t) in enumerate(zip(children, texts))]
             out = {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices,
-                   "usage": usage_of(children)}
+                   "usage": usage_of(children, self.cached)}
         if transfer is not None:
             out["kv_transfer_params"] = transfer
         return out
@@ -77,7 +82,7 @@ class Answer:
                    "content": content}] if status == "completed" else []
         return {"id": self.rid, "object": "response", "created_at": self.created, "model": self.model,
                 "status": status, "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-                "usage": _responses_usage(children) if children else None}
+                "usage": _responses_usage(children, self.cached) if children else None}
 
     # -- streamed -------------------------------------------------------------------------
     def _event(self, kind: str, **fields) -> str:
@@ -146,7 +151,7 @@ class Answer:
         if self.include_usage:
             obj = "chat.completion.chunk" if self.kind == CHAT else "text_completion"
             out += _data({"id": self.rid, "object": obj, "created": self.created, "model": self.model,
-                          "choices": [], "usage": usage_of(children)})
+                          "choices": [], "usage": usage_of(children, self.cached)})
         return out + "data: [DONE]\n\n"
 
 

@@ -123,13 +123,17 @@ class Connector:
             return Leg(consume=params)
         return Leg()
 
-    def answer_params(self, request_id: str, block_ids: list[int], host: str, port: int, now_s: float) -> dict:
+    def answer_params(self, request_id: str, block_ids: list[int], host: str, port: int, now_s: float,
+                      num_tokens: int, cached_tokens: int) -> dict:
         """The ``kv_transfer_params`` of a finished prefill leg whose blocks are now held, its
-        lease started at ``now_s`` (modelled seconds)."""
+        lease started at ``now_s`` (modelled seconds), the fields vLLM 0.32's producer answers:
+        ``remote_num_tokens`` (the prompt's tokens) and ``remote_prefill_cached_tokens`` (its
+        prefix-cache hit here, which the decode replica reports as the request's cached tokens)."""
         self.leases[request_id] = now_s + self.lease_s
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": block_ids,
                 "remote_engine_id": self.engine_id, "remote_request_id": request_id, "remote_host": host,
-                "remote_port": port, "tp_size": 1}
+                "remote_port": port, "tp_size": 1, "remote_num_tokens": num_tokens, "transfer_mode": "pull",
+                "remote_prefill_cached_tokens": cached_tokens}
 
     def expired(self, now_s: float) -> list[str]:
         """The held request ids whose lease ended by ``now_s``, forgotten here (the caller frees

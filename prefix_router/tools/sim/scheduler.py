@@ -197,7 +197,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_preemptions == 0:
                 kv.record_query(request.num_tokens, num_hit)
-                request.num_cached_tokens = num_hit + external  # vLLM counts pulled tokens as cached
+                request.num_cached_tokens = num_hit + external  # the engine's count; a decode's answer reports its prefill's
                 step.admitted.append(request)
             request.num_external_tokens = 0  # a preempted request recomputes everything
             num_hit += external

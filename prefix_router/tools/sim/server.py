@@ -143,7 +143,8 @@ async def _generate(request: web.Request, params: CompletionParams, token_ids: l
     wake = _Stream()
     for child in children:
         child.on_update, child.num_external_tokens, child.hold_blocks = wake, external, leg.produce
-    answer = Answer(kind, rid, params.model, params.include_usage)
+    reported = leg.consume.get("remote_prefill_cached_tokens") if leg.consume is not None else None
+    answer = Answer(kind, rid, params.model, params.include_usage, reported if isinstance(reported, int) else None)
     stored = app[STORED]
 
     def remember(text: str) -> None:  # a Response's messages, for one that continues it
@@ -178,7 +179,8 @@ def _held(request: web.Request, child: SimRequest) -> dict | None:
         return None
     host, port = request.transport.get_extra_info("sockname")[:2]
     return request.app[CONNECTOR].answer_params(child.request_id, [b.block_id for b in blocks], host, port,
-                                                request.app[ENGINE].now_s())
+                                                request.app[ENGINE].now_s(), child.num_prompt_tokens,
+                                                child.num_cached_tokens or 0)
 
 
 async def _stream(request, children: list[SimRequest], wake: _Stream, answer: Answer, submitted: float):

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -177,3 +178,14 @@ def test_choosing_the_prefill_replica_by_its_cache_reuses_more_than_round_robin(
     fleet = FleetConfig(replicas=2, prefill_replicas=4, engine=SMALL, decode_policy="prefix-router")
     ours, turns = (simulate(mixed, p, fleet, tok)["token_hit_rate"] for p in ("prefix-router", "round-robin"))
     assert ours > turns + 0.1
+
+
+def test_a_decode_replica_lacking_only_a_short_suffix_computes_it_whole_as_serve_decides(mixed):
+    tok = load_tokenizer(None)
+    fleet = FleetConfig(replicas=3, prefill_replicas=2, engine=SMALL)
+    split = simulate(mixed, "prefix-router", fleet, tok)
+    never = simulate(mixed, "prefix-router", replace(fleet, min_prefill_tokens=1 << 30), tok)
+    assert never["requests"] == len(mixed) and never["transfer_tokens"] == 0 and never["decode_computed_tokens"] > 0
+    some = simulate(mixed, "prefix-router", replace(fleet, min_prefill_tokens=256), tok)
+    assert 0 < some["transfer_tokens"] < split["transfer_tokens"]
+    assert split["decode_computed_tokens"] < some["decode_computed_tokens"] < never["decode_computed_tokens"]
