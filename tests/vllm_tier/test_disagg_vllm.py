@@ -4,9 +4,11 @@ with a CPU buffer (``"kv_buffer_device": "cpu"``; NIXL from ``make_env.sh``), th
 front splitting each request into its two legs (``prefix_router/serve/disagg.py``).
 
 What it shows: every API the gateway splits is served through both legs (the request log's
-``transfer`` is ``pulled`` and the decode replica reports the pulled tokens as cached, which it
-does only for a transfer it took); a repeated prompt hits the prefill replica's cache; the decode
-leg's greedy output is the output of the same request served whole by one replica.
+``transfer`` is ``pulled``, and the decode replica's ``vllm:external_prefix_cache_hits_total``
+counts the tokens it took from its connector); a repeated prompt hits the prefill replica's
+cache, and the client's ``cached_tokens`` is that hit (vLLM 0.32's decode reports its prefill's
+``remote_prefill_cached_tokens``); the decode leg's greedy output is the output of the same
+request served whole by one replica.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import pytest
 
 from prefix_router.app import create_app
 from prefix_router.config import config_from_dict
+from prefix_router.metrics import sample_sum
 from prefix_router.prompts.tokenizer import HFTokenizer
 from prefix_router.tools import launch
 
-from .harness import post_json, require_vllm, tiny_model, vllm_spec
+from .harness import get, post_json, require_vllm, tiny_model, vllm_spec
 
 pytestmark = pytest.mark.vllm
 
@@ -73,9 +76,12 @@ async def test_a_real_prefill_and_decode_pair_serves_every_api_through_the_gatew
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [line["transfer"] for line in lines] == ["pulled"] * 5, lines
     assert lines[1]["cached_tokens"] >= len(document) // 8  # the prefill replica's hit on the repeat
-    # the decode replica counted the pulled prompt as cached: it took the transfer, not a recompute
-    pulled = answers[0]["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert pulled >= (answers[0]["usage"]["prompt_tokens"] - 1) // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE
+    # the client sees the prefill replica's hit, the one the gateway accounts
+    assert answers[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == lines[1]["cached_tokens"]
+    # the decode replica took the first prompt (its cache empty) from its connector, not by computing
+    # it: every full block but the last token's (later prompts it partly held already)
+    external = sample_sum(get(decode + "/metrics").decode(), "vllm:external_prefix_cache_hits_total")
+    assert external >= (lines[0]["prompt_tokens"] - 1) // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE, external
     # greedy decoding from the pulled KV gives what one replica computing it all gives
     whole = post_json(decode + "/v1/chat/completions", chat)
     assert whole["choices"][0]["message"]["content"] == answers[0]["choices"][0]["message"]["content"]
