@@ -51,6 +51,7 @@ __all__ = ["PREFILL_PARAMS", "TRANSFER_KEY", "decode_body", "dumps", "prefill_bo
            "short_suffix", "unsplittable"]
 
 log = logging.getLogger(__name__)
+_WARNED: set[str] = set()  # prefill replicas already named for answering without kv_transfer_params
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 TRANSFER_KEY = "kv_transfer_params"
@@ -174,9 +175,11 @@ async def serve_split(request: web.Request, gw: Gateway, inbound: Inbound, info:
                        time.perf_counter() - started)
     body, carried = decode_body(inbound.body, prefilled.answer)
     transfer = "pulled" if carried else ("no_params" if prefilled.slot is not None else "prefill_failed")
-    if prefilled.slot is not None and not carried:
+    if prefilled.slot is not None and not carried and prefilled.slot.replica.name not in _WARNED:
+        _WARNED.add(prefilled.slot.replica.name)  # once a replica: the metric counts the rest
         log.warning("prefill replica %s answered without kv_transfer_params, so the decode replica computes the "
-                    "prompt: is it started with --kv-transfer-config and kv_role kv_producer?",
+                    "prompt: is it started with --kv-transfer-config and kv_role kv_producer? (said once; "
+                    "prefix_router_decode_requests_total{transfer=\"no_params\"} counts them)",
                     prefilled.slot.replica.name)
     decoding = dataclasses.replace(legs, payload=dumps(body, inbound.raw) if carried else whole)
     outcome = await forward(request, gw, decoding, info, decision, choose_decode, retry_payload=whole, started=started)
