@@ -127,7 +127,9 @@ class DisaggregationConfig:
     have ``role: prefill``."""
 
     # the KV connector the replicas run: nixl (vLLM's NixlConnector, the prefill leg first and
-    # its kv_transfer_params handed to the decode leg) is the one this gateway speaks
+    # its kv_transfer_params handed to the decode leg) is the one this gateway speaks; vLLM's
+    # MooncakeConnector wants both legs at once, a transfer_id the router makes and each prefill
+    # replica's bootstrap address, not spoken yet
     connector: str = "nixl"
     # send a request whole to its decode replica when that replica lacks fewer than this many
     # of its prompt's tokens, as it would compute them faster than a transfer round trip
