@@ -164,6 +164,7 @@ async def _lifecycle(app: web.Application):
     # the first lookup before serving, so a discovery-only gateway is ready at once
     if config.discovery.dns or config.discovery.prefill_dns:
         await discover_once(gw, config.discovery)
+    pods = await _pod_watcher(gw)
     # A health check, then a scrape, of every replica before serving: those that pass both are
     # on the ring from the first request; /ready is 503 until one is.
     replicas = list(gw.replicas.values())
@@ -180,6 +181,8 @@ async def _lifecycle(app: web.Application):
         tasks.append(asyncio.create_task(poll_dns(gw, config.discovery)))
     if config.kv_events.enabled:
         tasks.append(asyncio.create_task(follow_events(gw)))
+    if pods is not None:
+        tasks.append(asyncio.create_task(pods[0].run(pods[1])))
     yield
     for task in tasks:
         task.cancel()
@@ -187,11 +190,31 @@ async def _lifecycle(app: web.Application):
         with contextlib.suppress(asyncio.CancelledError):
             await task
     await gw.http.close()
+    if pods is not None:
+        await pods[0].v1.api_client.close()
     log.info("stopped; %d requests were still in flight", sum(r.inflight for r in gw.replicas.values()))
     gw.executor.shutdown(wait=False)
     if gw.request_log is not None:
         await flush_waiting_lines(gw)
         gw.request_log.close()
+
+
+async def _pod_watcher(gw: Gateway):
+    """With ``discovery.kubernetes``: the pod watcher and its first LIST's resourceVersion (None
+    when it failed: the watcher lists again), the pods found already replicas; else None. Raises
+    ``ConfigError`` without the client library or credentials (``fleet/kubernetes.py``)."""
+    settings = gw.config.discovery.kubernetes
+    if not settings.label_selector:
+        return None
+    from prefix_router.fleet.kubernetes import PodWatcher, connect, namespace_of
+
+    api, context = await connect(settings)
+    watcher = PodWatcher(gw, settings, namespace_of(settings, context), api)
+    try:
+        return watcher, await watcher.list()
+    except Exception as exc:  # noqa: BLE001 (the client's errors are many; the loop retries them)
+        log.warning("kubernetes: listing pods failed (%s); retrying in the background", exc)
+        return watcher, None
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:

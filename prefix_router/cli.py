@@ -182,7 +182,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     name = "prefix-router serve" if args.grpc_port is None else "prefix-router epp"
     try:
         config = load_config(args.config, overrides=_serve_overrides(args))
-        if not config.replicas and not config.discovery.dns and not config.discovery.prefill_dns:
+        if not (config.replicas or config.discovery.dns or config.discovery.prefill_dns
+                or config.discovery.kubernetes.label_selector):
             raise ConfigError("replicas: at least one replica is needed (--replica URL, --discover DNS_NAME "
                               "or the config file)")
         worker = worker_index()
@@ -223,6 +224,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         where = f"cannot listen on {config.host}:{config.port}: {exc.strerror}" if exc.errno else str(exc)
         print(f"{name}: {where}", file=sys.stderr)
         return 1
+    except ConfigError as exc:  # found at startup: discovery.kubernetes without its library or credentials
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

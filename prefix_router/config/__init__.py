@@ -5,10 +5,10 @@ its loader (``load.py``: YAML, CLI overrides, every value checked once, errors n
 from prefix_router.config.load import config_from_dict, load_config
 from prefix_router.config.schema import (POLICIES, AdmissionConfig, AuthConfig, BreakerConfig, ChangesConfig, ConfigError, DisaggregationConfig,
                      DiscoveryConfig,
-                     GatewayConfig, HealthConfig, IndexConfig, KvEventsConfig, LimitsConfig, ReplicaConfig,
+                     GatewayConfig, HealthConfig, IndexConfig, KubernetesConfig, KvEventsConfig, LimitsConfig, ReplicaConfig,
                      RoutingConfig, ScrapeConfig, TenantConfig, UpstreamConfig)
 
 __all__ = ["POLICIES", "ConfigError", "ReplicaConfig", "RoutingConfig", "IndexConfig", "HealthConfig",
-           "ScrapeConfig", "UpstreamConfig", "LimitsConfig", "DisaggregationConfig", "DiscoveryConfig", "KvEventsConfig", "BreakerConfig",
+           "ScrapeConfig", "UpstreamConfig", "LimitsConfig", "DisaggregationConfig", "DiscoveryConfig", "KubernetesConfig", "KvEventsConfig", "BreakerConfig",
            "AdmissionConfig", "ChangesConfig", "TenantConfig", "AuthConfig", "GatewayConfig",
            "load_config", "config_from_dict"]

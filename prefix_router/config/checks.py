@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from prefix_router.config.schema import (POLICIES, AdmissionConfig, AuthConfig, BreakerConfig, ChangesConfig, DisaggregationConfig, DiscoveryConfig,
-                     GatewayConfig, HealthConfig, IndexConfig, KvEventsConfig, LimitsConfig, ReplicaConfig,
+                     GatewayConfig, HealthConfig, IndexConfig, KubernetesConfig, KvEventsConfig, LimitsConfig, ReplicaConfig,
                      RoutingConfig, ScrapeConfig, TenantConfig, UpstreamConfig)
 
 __all__ = ["CHECKS", "REMOVED", "SHORTHAND", "Reject"]
@@ -244,6 +244,12 @@ CHECKS: dict[tuple[type, str], _Check] = {
     (DiscoveryConfig, "port"): _bounded(1, 65535),
     (DiscoveryConfig, "scheme"): _one_of("http", "https"),
     (DiscoveryConfig, "interval_s"): _TIME,
+    (KubernetesConfig, "label_selector"): _non_empty,
+    (KubernetesConfig, "namespace"): _non_empty,
+    (KubernetesConfig, "port"): _bounded(1, 65535),
+    (KubernetesConfig, "role_label"): _non_empty,
+    (KubernetesConfig, "resync_s"): _TIME,
+    (KubernetesConfig, "kubeconfig"): _non_empty,
     (DiscoveryConfig, "drain_s"): _NON_NEGATIVE,
     (GatewayConfig, "host"): _non_empty,
     (GatewayConfig, "port"): _bounded(0, 65535),

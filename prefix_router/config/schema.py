@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from prefix_router.constants import CHAR_BLOCK_SIZE, TOKENIZER_CACHE_TOKENS
 
 __all__ = ["POLICIES", "ConfigError", "ReplicaConfig", "RoutingConfig", "IndexConfig", "HealthConfig",
-           "ScrapeConfig", "UpstreamConfig", "LimitsConfig", "DisaggregationConfig", "DiscoveryConfig", "KvEventsConfig", "BreakerConfig",
+           "ScrapeConfig", "UpstreamConfig", "LimitsConfig", "DisaggregationConfig", "DiscoveryConfig", "KubernetesConfig", "KvEventsConfig", "BreakerConfig",
            "AdmissionConfig", "ChangesConfig", "TenantConfig", "AuthConfig", "GatewayConfig"]
 
 POLICIES = ("prefix-affinity", "round-robin", "least-loaded")
@@ -233,6 +233,26 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class KubernetesConfig:
+    """Replicas found through the Kubernetes API (prefix_router/fleet/kubernetes.py): the pods a
+    label selector matches, each while it is Ready and not terminating."""
+
+    # label selector of the vLLM pods, e.g. app.kubernetes.io/name=vllm; None: off
+    label_selector: str | None = None
+    # None: the gateway pod's own namespace (its service account's), else "default"
+    namespace: str | None = None
+    port: int = 8000  # vLLM's OpenAI server port on each pod
+    # the pod label naming its role in a disaggregated fleet (prefill, decode, both): llm-d's
+    # name for it; a pod without it serves whole requests (both)
+    role_label: str = "llm-d.ai/role"
+    # seconds between full lists of the pods besides the watch, which a missed event cannot
+    # outlast (SGLang's gateway resyncs every 30 s)
+    resync_s: float = 30.0
+    # a kubeconfig file; None: the pod's in-cluster credentials, else $KUBECONFIG or ~/.kube/config
+    kubeconfig: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DiscoveryConfig:
     """Replicas found by resolving a DNS name (prefix_router/fleet/discovery.py), besides the static list."""
 
@@ -250,6 +270,8 @@ class DiscoveryConfig:
     # is kept this long, and until its in-flight requests finish, so streams end cleanly and
     # a pod that comes back (a DNS blip, a brief NotReady) keeps what it had cached
     drain_s: float = 30.0
+    # or the pods themselves, from the Kubernetes API (not with dns)
+    kubernetes: KubernetesConfig = KubernetesConfig()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

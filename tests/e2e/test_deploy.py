@@ -222,6 +222,27 @@ def test_the_example_overlay_builds_and_validates():
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) is not installed")
+def test_the_pod_discovery_overlay_lets_the_gateway_read_and_watch_the_pods_it_selects():
+    out = subprocess.run(["kubectl", "kustomize", str(KUBE / "overlays" / "pod-discovery")], capture_output=True,
+                         text=True, check=True).stdout
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
+    for doc in docs.values():
+        validate(doc)
+    config = config_from_dict(yaml.safe_load(docs[("ConfigMap", "prefix-router")]["data"]["gateway.yaml"]))
+    assert config.discovery.dns is None
+    key, value = config.discovery.kubernetes.label_selector.split("=")
+    assert docs[("StatefulSet", "vllm")]["spec"]["template"]["metadata"]["labels"][key] == value
+    pod = docs[("Deployment", "prefix-router")]["spec"]["template"]["spec"]
+    role = docs[("Role", "prefix-router-pod-reader")]
+    binding = docs[("RoleBinding", "prefix-router-pod-reader")]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert {"kind": "ServiceAccount", "name": pod["serviceAccountName"]} in binding["subjects"]
+    assert ("ServiceAccount", pod["serviceAccountName"]) in docs
+    (rule,) = role["rules"]
+    assert rule["resources"] == ["pods"] and sorted(rule["verbs"]) == ["get", "list", "watch"]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) is not installed")
 def test_the_disaggregated_overlay_wires_two_pools_to_the_gateway():
     out = subprocess.run(["kubectl", "kustomize", str(KUBE / "overlays" / "disaggregated")], capture_output=True,
                          text=True, check=True).stdout

@@ -1,0 +1,205 @@
+"""Replica discovery through the Kubernetes API: the pods a label selector matches, each a replica
+while it is Ready and not terminating (``discovery.kubernetes``).
+
+Where DNS (``discovery.py``) learns of a pod only once its headless Service publishes it and of
+its end only at the next lookup, the API tells at once, and tells more: labels (the pod's role in
+a disaggregated fleet, ``role_label``). The loop (``PodWatcher.run``), as the API's own
+documentation asks of a client (https://kubernetes.io/docs/reference/using-api/api-concepts/):
+
+1. LIST the namespace's pods matching the selector; every pod that takes traffic (``target``)
+   becomes a replica, every other discovered replica starts draining (``Gateway.apply_discovery``).
+   A failed LIST changes nothing: a partial or empty view never removes replicas.
+2. WATCH from the list's resourceVersion with bookmarks, for ``resync_s`` (the server closes the
+   stream then), applying each event: a pod made Ready joins, one made unready, terminating
+   (``deletionTimestamp``) or DELETED (also: relabelled out of the selector) leaves.
+3. LIST again after each watch window (the resync), and at once after a ``410 Gone`` (its
+   resourceVersion too old), whether the server sends it as an ERROR event or an HTTP status.
+
+Errors (the API unreachable, 401/403) back off from 1 s to 30 s, keeping the replicas known. A
+pod that joins is health-checked and scraped at once, so it takes traffic within a second rather
+than at the next round of checks. The readiness rule is llm-d's (``pkg/epp/util/pod/pod.go``:
+not terminating, condition Ready "True"), plus an IP. Credentials: the pod's service account in a
+cluster, else a kubeconfig; the Role it needs is ``get``, ``list`` and ``watch`` on pods
+(``deploy/kubernetes/overlays/pod-discovery/gateway-rbac.yaml``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import time
+from pathlib import Path
+
+import aiohttp
+
+from prefix_router.config import ConfigError, KubernetesConfig
+from prefix_router.fleet.replicas import check_all, scrape_once
+from prefix_router.gateway import Gateway
+
+__all__ = ["PodWatcher", "ROLES", "connect", "namespace_of", "target"]
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "both")
+_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+_MAX_BACKOFF_S = 30.0
+
+
+def target(pod: dict, config: KubernetesConfig) -> tuple[str, str] | None:
+    """(base URL, role) of a pod (its JSON object, as the API sends it) that takes traffic: an IP,
+    no ``deletionTimestamp``, condition Ready "True"; None otherwise. The role is its
+    ``role_label``, ``both`` when absent or not one of ``ROLES``."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    ip = status.get("podIP")
+    if not ip or meta.get("deletionTimestamp"):
+        return None
+    if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()):
+        return None
+    role = (meta.get("labels") or {}).get(config.role_label, "both")
+    try:
+        host = f"[{ip}]" if ipaddress.ip_address(ip).version == 6 else ip
+    except ValueError:
+        return None
+    return f"http://{host}:{config.port}", role if role in ROLES else "both"
+
+
+class PodWatcher:
+    """Keeps the gateway's discovered replicas equal to the pods that take traffic (module
+    docstring) in ``namespace``. ``api``: a ``kubernetes_asyncio`` ``ApiClient`` (``connect``)."""
+
+    def __init__(self, gw: Gateway, config: KubernetesConfig, namespace: str, api) -> None:
+        from kubernetes_asyncio import client
+
+        self.gw, self.config, self.namespace = gw, config, namespace
+        self.v1 = client.CoreV1Api(api)
+        self.pods: dict[str, tuple[str, str]] = {}  # pod name -> (URL, role), those taking traffic
+        self.lists = 0  # LISTs applied (tests read it)
+
+    def _apply(self) -> None:
+        added, drained = self.gw.apply_discovery(dict(self.pods.values()), time.monotonic())
+        for name in added:
+            log.info("kubernetes: pod %s ready (%s); health-checked and scraped now", name,
+                     self.gw.replicas[name].config.role)
+            asyncio.get_running_loop().create_task(self._probe(name))
+        for name in drained:
+            log.info("kubernetes: replica %s no longer ready or gone; draining", name)
+
+    async def _probe(self, name: str) -> None:
+        """A new replica's health check and scrape, at once: on the ring within a second."""
+        replica = self.gw.replicas.get(name)
+        if replica is None or self.gw.http is None:
+            return
+        await check_all(self.gw.http, [replica], self.gw.config.health)
+        await scrape_once(self.gw.http, replica, 2.0)
+        self.gw.sync_ring()
+
+    def on_event(self, kind: str, pod: dict) -> None:
+        """One watch event (``ADDED``, ``MODIFIED``, ``DELETED``) about ``pod``'s JSON object."""
+        name = (pod.get("metadata") or {}).get("name")
+        if not name:
+            return
+        found = target(pod, self.config) if kind != "DELETED" else None
+        if found is None:
+            if self.pods.pop(name, None) is not None:
+                self._apply()
+        elif self.pods.get(name) != found:
+            self.pods[name] = found
+            self._apply()
+
+    async def list(self) -> str:
+        """LIST the pods and make them the replicas; their resourceVersion, to watch from. Raises
+        what the client raises (``ApiException`` for an error status), changing nothing then."""
+        v1 = self.v1
+        listed = await v1.list_namespaced_pod(self.namespace, label_selector=self.config.label_selector,
+                                              _request_timeout=aiohttp.ClientTimeout(total=10))
+        found = {}
+        for item in listed.items or ():
+            pod = v1.api_client.sanitize_for_serialization(item)  # the JSON object, as events carry it
+            name, t = (pod.get("metadata") or {}).get("name"), target(pod, self.config)
+            if name and t is not None:
+                found[name] = t
+        self.pods = found
+        self.lists += 1
+        self._apply()
+        return listed.metadata.resource_version
+
+    async def watch(self, resource_version: str) -> str:
+        """WATCH from ``resource_version`` for one window (``resync_s``); the last resourceVersion
+        seen. Raises ``ApiException`` (410: too old; the caller lists again)."""
+        from kubernetes_asyncio import watch
+
+        window = max(int(self.config.resync_s), 1)
+        stream = watch.Watch()
+        try:
+            async for event in stream.stream(self.v1.list_namespaced_pod, self.namespace,
+                                             label_selector=self.config.label_selector,
+                                             resource_version=resource_version, allow_watch_bookmarks=True,
+                                             timeout_seconds=window,
+                                             _request_timeout=aiohttp.ClientTimeout(sock_read=window + 30)):
+                if isinstance(event, dict) and event.get("type") in ("ADDED", "MODIFIED", "DELETED"):
+                    self.on_event(event["type"], event.get("raw_object") or {})
+        finally:
+            await stream.close()
+        return stream.resource_version or resource_version
+
+    async def run(self, version: str | None = None) -> None:
+        """LIST (unless ``version``, a LIST's, is given), WATCH a window, again, forever (module
+        docstring)."""
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        backoff = 1.0
+        while True:
+            try:
+                version = await self.list() if version is None else version
+                await self.watch(version)
+                version, backoff = None, 1.0  # the window ended: resync
+            except ApiException as exc:
+                if exc.status == 410:  # too old a resourceVersion: list again at once
+                    version = None
+                    continue
+                log.warning("kubernetes: the API answered %s %s; keeping the %d replicas known", exc.status,
+                            exc.reason, len(self.pods))
+            except Exception as exc:  # noqa: BLE001 (connection errors, timeouts, a body the client cannot read)
+                log.warning("kubernetes: %s (%s); keeping the %d replicas known", type(exc).__name__,
+                            str(exc)[:200], len(self.pods))
+            version = None
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
+
+
+def namespace_of(config: KubernetesConfig, context: str | None = None) -> str:
+    """The namespace to watch: the configured one, else the gateway pod's own (its service
+    account's), else the kubeconfig context's (``context``), else ``default``."""
+    if config.namespace:
+        return config.namespace
+    with contextlib.suppress(OSError):
+        return _NAMESPACE_FILE.read_text().strip() or context or "default"
+    return context or "default"
+
+
+async def connect(config: KubernetesConfig):
+    """(an ``ApiClient``, the kubeconfig context's namespace or None): the pod's in-cluster
+    credentials (``KUBERNETES_SERVICE_HOST`` set and no ``kubeconfig`` configured), else a
+    kubeconfig's (``kubeconfig``, ``$KUBECONFIG``, ``~/.kube/config``). Raises ``ConfigError``
+    naming the setting when ``kubernetes_asyncio`` is not installed or no credentials can be read."""
+    try:
+        from kubernetes_asyncio import client
+        from kubernetes_asyncio import config as kube
+    except ImportError:
+        raise ConfigError("discovery.kubernetes: needs kubernetes_asyncio: pip install 'prefix-router[kubernetes]'") from None
+    settings, namespace = client.Configuration(), None
+    try:
+        if config.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            kube.load_incluster_config(client_configuration=settings)
+        else:
+            loader = await kube.load_kube_config(config_file=config.kubeconfig, client_configuration=settings)
+            context = getattr(loader, "current_context", None)
+            with contextlib.suppress(KeyError, TypeError, AttributeError):
+                namespace = context["context"].get("namespace")
+    except (kube.ConfigException, OSError) as exc:
+        raise ConfigError(f"discovery.kubernetes: no credentials for the Kubernetes API ({exc}); set "
+                          "discovery.kubernetes.kubeconfig, $KUBECONFIG, or run in a pod") from None
+    return client.ApiClient(configuration=settings), namespace
