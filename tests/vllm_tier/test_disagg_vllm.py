@@ -53,8 +53,11 @@ def pair(tmp_path_factory):
 async def test_a_real_prefill_and_decode_pair_serves_every_api_through_the_gateway(pair, aiohttp_client, tmp_path):
     prefill, decode = pair
     log = tmp_path / "requests.jsonl"
+    # CPU replicas computing prompts on two cores can take seconds to answer /health (a GPU replica
+    # answers at once): patient health checks keep this test about the two legs, as test_gateway_vllm.py
     config = config_from_dict({"replicas": [{"url": prefill, "role": "prefill"}, {"url": decode, "role": "decode"}],
-                               "tokenizer": str(tiny_model()), "request_log": str(log)})
+                               "tokenizer": str(tiny_model()), "request_log": str(log),
+                               "health": {"timeout_s": 10.0, "unhealthy_after": 3}})
     client = await aiohttp_client(create_app(config, HFTokenizer(str(tiny_model()))))
     document = " ".join(f"line {i} of the shared document." for i in range(60))
     chat = {"model": "tiny", "temperature": 0, "max_tokens": 8,
