@@ -76,14 +76,16 @@ class PodWatcher:
         self.gw, self.config, self.namespace = gw, config, namespace
         self.v1 = client.CoreV1Api(api)
         self.pods: dict[str, tuple[str, str]] = {}  # pod name -> (URL, role), those taking traffic
-        self.lists = 0  # LISTs applied (tests read it)
+        self.probes: set[asyncio.Task] = set()  # new replicas' first checks, held until they end
 
     def _apply(self) -> None:
         added, drained = self.gw.apply_discovery(dict(self.pods.values()), time.monotonic())
         for name in added:
             log.info("kubernetes: pod %s ready (%s); health-checked and scraped now", name,
                      self.gw.replicas[name].config.role)
-            asyncio.get_running_loop().create_task(self._probe(name))
+            task = asyncio.get_running_loop().create_task(self._probe(name))
+            self.probes.add(task)
+            task.add_done_callback(self.probes.discard)
         for name in drained:
             log.info("kubernetes: replica %s no longer ready or gone; draining", name)
 
@@ -122,7 +124,6 @@ class PodWatcher:
             if name and t is not None:
                 found[name] = t
         self.pods = found
-        self.lists += 1
         self._apply()
         return listed.metadata.resource_version
 
