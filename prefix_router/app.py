@@ -184,6 +184,8 @@ async def _lifecycle(app: web.Application):
     if pods is not None:
         tasks.append(asyncio.create_task(pods[0].run(pods[1])))
     yield
+    if pods is not None:
+        tasks += pods[0].probes  # new pods' first checks: they use the session closed next
     for task in tasks:
         task.cancel()
     for task in tasks:

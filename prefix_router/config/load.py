@@ -167,9 +167,9 @@ def _check_unique_replicas(config: GatewayConfig) -> None:
             raise ConfigError(f"replicas[{i}].url: {replica.url!r} is already replicas"
                               f"[{seen[replica.url]}]; use weight to give a replica more share")
         seen[replica.url] = i
-    if config.discovery.dns and config.discovery.kubernetes.label_selector:
-        raise ConfigError("discovery.kubernetes.label_selector: replicas come from DNS (discovery.dns) or from the "
-                          "Kubernetes API, not both")
+    if (config.discovery.dns or config.discovery.prefill_dns) and config.discovery.kubernetes.label_selector:
+        raise ConfigError("discovery.kubernetes.label_selector: replicas come from DNS (discovery.dns, prefill_dns) "
+                          "or from the Kubernetes API, not both (each would drain the other's)")
     prefill = [i for i, r in enumerate(config.replicas) if r.role == "prefill"]
     discovered = config.discovery.dns or config.discovery.kubernetes.label_selector
     if (prefill or config.discovery.prefill_dns) and len(prefill) == len(config.replicas) and not discovered:

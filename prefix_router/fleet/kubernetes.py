@@ -15,7 +15,9 @@ documentation asks of a client (https://kubernetes.io/docs/reference/using-api/a
 3. LIST again after each watch window (the resync), and at once after a ``410 Gone`` (its
    resourceVersion too old), whether the server sends it as an ERROR event or an HTTP status.
 
-Errors (the API unreachable, 401/403) back off from 1 s to 30 s, keeping the replicas known. A
+A watch cut mid-stream resumes at once from the last resourceVersion it saw. Errors (the API
+unreachable, 401/403, a second 410 in a row, a second cut) back off from 1 s to 30 s, keeping
+the replicas known. A
 pod that joins is health-checked and scraped at once, so it takes traffic within a second rather
 than at the next round of checks. The readiness rule is llm-d's (``pkg/epp/util/pod/pod.go``:
 not terminating, condition Ready "True"), plus an IP. Credentials: the pod's service account in a
@@ -77,6 +79,7 @@ class PodWatcher:
         self.v1 = client.CoreV1Api(api)
         self.pods: dict[str, tuple[str, str]] = {}  # pod name -> (URL, role), those taking traffic
         self.probes: set[asyncio.Task] = set()  # new replicas' first checks, held until they end
+        self.seen: str | None = None  # the last resourceVersion the watch saw
 
     def _apply(self) -> None:
         added, drained = self.gw.apply_discovery(dict(self.pods.values()), time.monotonic())
@@ -134,6 +137,7 @@ class PodWatcher:
 
         window = max(int(self.config.resync_s), 1)
         stream = watch.Watch()
+        self.seen = resource_version
         try:
             async for event in stream.stream(self.v1.list_namespaced_pod, self.namespace,
                                              label_selector=self.config.label_selector,
@@ -143,42 +147,50 @@ class PodWatcher:
                 if isinstance(event, dict) and event.get("type") in ("ADDED", "MODIFIED", "DELETED"):
                     self.on_event(event["type"], event.get("raw_object") or {})
         finally:
+            self.seen = stream.resource_version or resource_version  # where a cut watch resumes
             await stream.close()
-        return stream.resource_version or resource_version
+        return self.seen
 
     async def run(self, version: str | None = None) -> None:
         """LIST (unless ``version``, a LIST's, is given), WATCH a window, again, forever (module
         docstring)."""
         from kubernetes_asyncio.client.exceptions import ApiException
 
-        backoff = 1.0
+        backoff, gone, cut = 1.0, False, False
         while True:
             try:
-                version = await self.list() if version is None else version
+                if version is None:
+                    version = await self.list()
+                    backoff = 1.0
                 await self.watch(version)
-                version, backoff = None, 1.0  # the window ended: resync
+                version, gone, cut = None, False, False  # the window ended: resync, at once
+                continue
             except ApiException as exc:
-                if exc.status == 410:  # too old a resourceVersion: list again at once
-                    version = None
+                if exc.status == 410 and not gone:  # too old a resourceVersion: list again at once
+                    version, gone = None, True
                     continue
                 log.warning("kubernetes: the API answered %s %s; keeping the %d replicas known", exc.status,
                             exc.reason, len(self.pods))
             except Exception as exc:  # noqa: BLE001 (connection errors, timeouts, a body the client cannot read)
+                if not cut and self.seen is not None:  # a watch cut mid-stream: resume where it was, at once
+                    version, cut = self.seen, True
+                    continue
                 log.warning("kubernetes: %s (%s); keeping the %d replicas known", type(exc).__name__,
                             str(exc)[:200], len(self.pods))
-            version = None
+            version, cut = None, False
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, _MAX_BACKOFF_S)
 
 
 def namespace_of(config: KubernetesConfig, context: str | None = None) -> str:
-    """The namespace to watch: the configured one, else the gateway pod's own (its service
-    account's), else the kubeconfig context's (``context``), else ``default``."""
-    if config.namespace:
-        return config.namespace
+    """The namespace to watch: the configured one, else the kubeconfig context's (``context``,
+    when a kubeconfig gave the credentials), else the gateway pod's own (its service account's),
+    else ``default``."""
+    if config.namespace or context:
+        return config.namespace or context
     with contextlib.suppress(OSError):
-        return _NAMESPACE_FILE.read_text().strip() or context or "default"
-    return context or "default"
+        return _NAMESPACE_FILE.read_text().strip() or "default"
+    return "default"
 
 
 async def connect(config: KubernetesConfig):

@@ -134,6 +134,7 @@ class _Prefilled:
     decision: Decision | None = None
     answer: Any = None
     refused: web.Response | None = None
+    failed: list = dataclasses.field(default_factory=list)  # prefill replicas that answered 5xx
 
 
 def short_suffix(gw: Gateway, info: PromptInfo, decision: Decision) -> bool:
@@ -187,7 +188,9 @@ async def serve_split(request: web.Request, gw: Gateway, inbound: Inbound, info:
         carried, transfer = False, "decode_retried"
     if outcome.replica is not None:
         gw.metrics.decode_requests.labels(outcome.replica.name, transfer).inc()
-    if not carried or outcome.replica is None:
+        for replica in prefilled.failed:  # the request was servable: their 5xx were theirs
+            breaker_record(gw, replica, False)
+    if not carried or outcome.replica is None or outcome.status != 200:  # the decode's own failures are its
         return dataclasses.replace(outcome, transfer=transfer)
     return _accounted(outcome, prefilled, transfer, inbound.path)
 
@@ -286,6 +289,8 @@ async def _prefill(gw: Gateway, inbound: Inbound, info: PromptInfo, choose: Choo
             slot.prefilled()
             for earlier in answered_5xx:
                 breaker_record(gw, earlier, False)
+            if status == 404:  # perhaps a model it no longer serves: its list is read at the next round
+                replica.models_read_at = -math.inf
             if status != 200:  # the request's own fault: every replica would say the same
                 refused = web.Response(body=data, status=status, headers={"Content-Type": content_type,
                                                                            REPLICA_HEADER: replica.name})
@@ -295,4 +300,4 @@ async def _prefill(gw: Gateway, inbound: Inbound, info: PromptInfo, choose: Choo
             except (ValueError, RecursionError):
                 answer = None
             return _Prefilled(slot, dataclasses.replace(decision, route=route), answer)
-    return _Prefilled()
+    return _Prefilled(failed=answered_5xx)

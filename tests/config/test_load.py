@@ -184,3 +184,9 @@ def test_a_replica_has_one_role_and_prefill_replicas_need_a_decode_pool():
         config_from_dict({"discovery": {"prefill_dns": "vllm-prefill"}})
     assert config_from_dict({"replicas": [{"url": "http://a:8000", "role": "prefill"}],
                              "discovery": {"dns": "vllm"}}).replicas[0].role == "prefill"
+
+
+def test_replicas_come_from_dns_or_from_the_kubernetes_api_not_both():
+    for dns in ({"dns": "vllm"}, {"prefill_dns": "vllm-prefill"}):
+        with pytest.raises(ConfigError, match=r"^discovery\.kubernetes\.label_selector: .* not both"):
+            config_from_dict({"discovery": {**dns, "kubernetes": {"label_selector": "app=vllm"}}})

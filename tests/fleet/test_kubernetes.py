@@ -14,7 +14,7 @@ import pytest
 from prefix_router.app import GATEWAY, create_app
 from prefix_router.config import KubernetesConfig, config_from_dict
 from prefix_router.constants import REPLICA_HEADER
-from prefix_router.fleet.kubernetes import target
+from prefix_router.fleet.kubernetes import namespace_of, target
 from prefix_router.prompts.tokenizer import ByteTokenizer
 from prefix_router.tools.launch import free_port
 from prefix_router.tools.sim.config import SimConfig
@@ -40,6 +40,18 @@ def test_a_pod_takes_traffic_while_ready_with_an_ip_and_not_terminating():
     assert target(pod(ip="fd00::7"), CONFIG) == ("http://[fd00::7]:8000", "both")
     assert target(pod(labels={"llm-d.ai/role": "prefill"}), CONFIG)[1] == "prefill"
     assert target(pod(labels={"llm-d.ai/role": "encode"}), CONFIG)[1] == "both"  # unknown: serves whole
+
+
+def test_the_namespace_is_the_configured_one_else_the_kubeconfigs_else_default(monkeypatch, tmp_path):
+    from prefix_router.fleet import kubernetes
+
+    monkeypatch.setattr(kubernetes, "_NAMESPACE_FILE", tmp_path / "absent")
+    assert namespace_of(KubernetesConfig(namespace="a"), "b") == "a"
+    assert namespace_of(CONFIG, "b") == "b"  # a kubeconfig's context, even inside a pod
+    assert namespace_of(CONFIG) == "default"
+    (tmp_path / "namespace").write_text("llm\n")
+    monkeypatch.setattr(kubernetes, "_NAMESPACE_FILE", tmp_path / "namespace")
+    assert namespace_of(CONFIG) == "llm"  # in a pod, its service account's
 
 
 @pytest.fixture
@@ -130,10 +142,12 @@ async def test_a_dropped_watch_and_a_410_lose_no_pod(cluster, gone_as_http):
     api, client, names = await cluster(3, gone_as_http=gone_as_http)
     api.put("vllm-1", names[1].split(":")[0])
     await routable(client, names[1])
+    lists = sum(1 for q in api.requests if not q.get("watch"))
     api.drop_watches()  # a connection reset mid-stream
     await asyncio.sleep(0.2)
     api.put("vllm-2", names[2].split(":")[0])  # while the watch is being made again
-    await routable(client, names[2], within_s=3.0)
+    await routable(client, names[2])
+    assert sum(1 for q in api.requests if not q.get("watch")) == lists  # resumed from where it was, no LIST
     api.expire()  # compaction: the watcher's resourceVersion is now too old
     api.drop_watches()
     lists = sum(1 for q in api.requests if not q.get("watch"))

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 
 import pytest
 from aiohttp import web
 
-from prefix_router.app import create_app
+from prefix_router.app import GATEWAY, create_app
 from prefix_router.config import config_from_dict
+from prefix_router.fleet.breaker import BreakerState
 from prefix_router.prompts.tokenizer import ByteTokenizer
 from prefix_router.serve.disagg import (PREFILL_PARAMS, TRANSFER_KEY, decode_body, prefill_body, prefill_refusal,
                                        unsplittable)
@@ -251,3 +253,25 @@ async def test_a_prompt_with_no_full_block_goes_whole_to_its_decode_replica(spli
     client, _, log = await split_gateway([prefill])
     resp = await client.post(CHAT, json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert resp.status == 200 and not prefill.seen and _lines(log)[0]["transfer"] == "short"
+
+
+async def test_a_prefill_replica_failing_every_request_opens_its_breaker_when_the_decode_serves_them(split_gateway):
+    failing = Prefill(lambda body: (500, {"error": {"message": "engine dead", "code": 500}}))
+    client, _, log = await split_gateway([failing])
+    gw = client.server.app[GATEWAY]
+    (name,) = gw.prefill_names
+    for i in range(gw.config.breaker.failures):
+        resp = await client.post(CHAT, json={"model": MODEL, "max_tokens": 2,
+                                             "messages": [{"role": "user", "content": f"{i} " + "words " * 30}]})
+        assert resp.status == 200
+    assert gw.replicas[name].breaker.state(time.monotonic()) is not BreakerState.CLOSED
+    assert {line["transfer"] for line in _lines(log)} == {"prefill_failed"}
+
+
+async def test_a_decode_leg_refused_after_the_transfer_is_the_decode_replicas_in_the_accounting(split_gateway):
+    client, decode, log = await split_gateway([Prefill(_answered({"do_remote_prefill": True, "remote_port": 9}))])
+    resp = await client.post(CHAT, json={"model": MODEL, "max_tokens": 10 ** 6,  # past the decode's model length
+                                         "messages": [{"role": "user", "content": "words " * 30}]})
+    assert resp.status == 400
+    (line,) = _lines(log)
+    assert line["replica"] == line["decode_replica"] and line["replica"] in {u.split("//")[1] for u in decode}
