@@ -6,12 +6,15 @@ than one module must agree on.
 
 from __future__ import annotations
 
-__all__ = ["REPLICA_HEADER", "VLLM_BLOCK_SIZE", "CHAR_BLOCK_SIZE", "VLLM_TTFT_BUCKETS", "VLLM_LATENCY_BUCKETS",
+__all__ = ["DP_RANK_HEADER", "REPLICA_HEADER", "VLLM_BLOCK_SIZE", "CHAR_BLOCK_SIZE", "VLLM_TTFT_BUCKETS", "VLLM_LATENCY_BUCKETS",
            "TOKENIZER_CACHE_TOKENS"]
 
 # The response header naming the replica that served a proxied request (the replay client,
 # the demo and the tests read it)
 REPLICA_HEADER = "x-prefix-router-replica"
+# the header that sends a request to one data-parallel rank of a vLLM server, past its own balancer
+# (vllm/entrypoints/generate/base/serving.py, vLLM 0.32)
+DP_RANK_HEADER = "X-data-parallel-rank"
 
 # vLLM's default KV block size on GPU (``CacheConfig.block_size``, vllm/config/cache.py): the
 # gateway's, the simulator's and the audit's when nothing says otherwise

@@ -128,16 +128,22 @@ class Gateway:
         return found
 
     def add_replica(self, rc: ReplicaConfig, *, discovered: bool = False) -> ReplicaState:
-        """Know a replica. A discovered one joins the ring after its first ``/metrics`` scrape
-        (``recovering``), which also reads its block size and capacity."""
-        state = ReplicaState(rc, replica_name(rc.url), block_size=rc.block_size, num_gpu_blocks=rc.num_gpu_blocks,
-                             discovered=discovered, recovering=discovered,
-                             breaker=CircuitBreaker(self.config.breaker),
-                             shadow=ShadowIndex(DEFAULT_CAPACITY_BLOCKS, self.shadow_holders))
-        self.replicas[state.name] = state
-        if rc.role == "prefill":
-            self.prefill_names = self.prefill_names | {state.name}
-        return state
+        """Know a replica: a server, or each data-parallel rank of one (``host:port@rank``; the
+        first rank's state is returned). A discovered one joins the ring after its first
+        ``/metrics`` scrape (``recovering``), which also reads its block size and capacity."""
+        ranks = [None] if rc.data_parallel_size == 1 else list(range(rc.data_parallel_size))
+        states = []
+        for rank in ranks:
+            name = replica_name(rc.url) + ("" if rank is None else f"@{rank}")
+            state = ReplicaState(rc, name, block_size=rc.block_size, num_gpu_blocks=rc.num_gpu_blocks,
+                                 discovered=discovered, recovering=discovered,
+                                 breaker=CircuitBreaker(self.config.breaker),
+                                 shadow=ShadowIndex(DEFAULT_CAPACITY_BLOCKS, self.shadow_holders), rank=rank)
+            self.replicas[name] = state
+            if rc.role == "prefill":
+                self.prefill_names = self.prefill_names | {name}
+            states.append(state)
+        return states[0]
 
     def apply_discovery(self, urls: Iterable[str] | Mapping[str, str], now: float) -> tuple[list[str], list[str]]:
         """Make the discovered replicas those at ``urls`` (base URLs, or base URLs to their role);
@@ -289,7 +295,7 @@ class Gateway:
             "routing": "exact token blocks" if self.tokenizer is not None else
                        f"approximate: {self.config.routing.char_block_size}-character blocks (no tokenizer configured)",
             "replicas": [{
-                "name": r.name, "url": r.url, "role": r.config.role, "healthy": r.healthy, "routable": r.routable,
+                "name": r.name, "url": r.url, "role": r.config.role, "rank": r.rank, "healthy": r.healthy, "routable": r.routable,
                 "discovered": r.discovered, "draining": r.draining_since is not None, "queue_depth": r.load,
                 "waiting": r.waiting, "running": r.running, "inflight": r.inflight,
                 "breaker": r.breaker.state(time.monotonic()).name.lower(),

@@ -176,6 +176,7 @@ CHECKS: dict[tuple[type, str], _Check] = {
     (ReplicaConfig, "num_gpu_blocks"): _POSITIVE,
     (ReplicaConfig, "weight"): _POSITIVE,
     (ReplicaConfig, "role"): _one_of("prefill", "decode", "both"),
+    (ReplicaConfig, "data_parallel_size"): _POSITIVE,
     (DisaggregationConfig, "connector"): _one_of("nixl"),
     (DisaggregationConfig, "min_prefill_tokens"): _NON_NEGATIVE,
     (RoutingConfig, "policy"): _one_of(*POLICIES),

@@ -41,6 +41,9 @@ class ReplicaConfig:
     # With prefill replicas in the fleet a request is computed on one and generated on a decode
     # replica (prefix_router/serve/disagg.py)
     role: str = "both"
+    # vllm serve --data-parallel-size: each rank (an engine, its own prefix cache) a replica,
+    # host:port@rank, sent X-data-parallel-rank; 1: one replica (vLLM balances its ranks)
+    data_parallel_size: int = 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

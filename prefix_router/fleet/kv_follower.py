@@ -59,10 +59,20 @@ def _on_host(address: str | None, host: str) -> str | None:
     return f"tcp://{bound}:{port}"
 
 
+def _offset(endpoint: str | None, rank: int) -> str | None:
+    """``tcp://host:port`` with ``rank`` added to its port (vLLM's ``offset_endpoint_port`` in
+    ``vllm/distributed/kv_events.py``: each data-parallel rank publishes on base port + rank)."""
+    if endpoint is None or not rank:
+        return endpoint
+    head, _, port = endpoint.rpartition(":")
+    return f"{head}:{int(port) + rank}" if port.isdigit() else endpoint
+
+
 async def event_endpoints(gw: Gateway, replica: ReplicaState) -> tuple[str, str | None] | None:
     """(publisher, replay socket) for ``replica``, or None when it publishes no events."""
-    if replica.config.kv_events:
-        return replica.config.kv_events, replica.config.kv_events_replay
+    if replica.config.kv_events:  # rank 0's; rank r's ports are r higher, as vLLM's publisher offsets them
+        rank = replica.rank or 0
+        return _offset(replica.config.kv_events, rank), _offset(replica.config.kv_events_replay, rank)
     host = urlsplit(replica.url).hostname or ""
     try:
         async with gw.http.get(replica.url + "/kv_event_sources", timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
@@ -70,13 +80,14 @@ async def event_endpoints(gw: Gateway, replica: ReplicaState) -> tuple[str, str 
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
         sources = None
     if isinstance(sources, dict) and sources:
-        rank0 = sources.get("0") or next(iter(sources.values()))
+        rank = str(replica.rank) if replica.rank is not None else "0"  # each rank publishes its own events
+        rank0 = sources.get(rank) or (next(iter(sources.values())) if replica.rank is None else None)
         if isinstance(rank0, dict) and rank0.get("enable_kv_cache_events") and rank0.get("publisher") == "zmq":
             endpoint = _on_host(rank0.get("endpoint"), host)
             if endpoint:
-                if len(sources) > 1:
-                    log.info("replica %s runs %d data-parallel ranks; following rank 0's KV events only",
-                             replica.name, len(sources))
+                if len(sources) > 1 and replica.rank is None:
+                    log.info("replica %s runs %d data-parallel ranks; following rank 0's KV events only "
+                             "(replicas[].data_parallel_size makes each rank a replica)", replica.name, len(sources))
                 return endpoint, _on_host(rank0.get("replay_endpoint"), host)
     events = gw.config.kv_events
     if sources is None and events.port:  # no /kv_event_sources (vLLM before 0.32): the configured ports

@@ -102,6 +102,7 @@ class ReplicaState:
     parity_ok: int = 0  # requests whose prompt blocks its events showed
     parity_mismatch: int = 0  # ... and never showed
     parity_hint: str = ""  # the likely cause of the last mismatch
+    rank: int | None = None  # its data-parallel rank on a server of several (ReplicaConfig.data_parallel_size)
 
     @property
     def url(self) -> str:
@@ -170,13 +171,16 @@ class ReplicaState:
             self.stream.reset()  # the new process publishes from an empty cache, counting from 0
 
 
-def parse_engine_metrics(text: str) -> dict:
-    """The few vLLM metrics the gateway reads, summed over label sets; cache_config labels."""
+def parse_engine_metrics(text: str, engine: str | None = None) -> dict:
+    """The few vLLM metrics the gateway reads, summed over label sets (those of ``engine`` only
+    where given: a data-parallel rank's, vLLM labelling each engine's series ``engine="N"``);
+    cache_config labels."""
     out: dict = {}
+    wanted = None if engine is None else f'engine="{engine}"'
     for name, labels, value in _SAMPLE.findall(text):
         if name == "vllm:cache_config_info":
             out["cache_config"] = dict(_LABEL.findall(labels))
-        else:
+        elif wanted is None or wanted in labels:
             out[name] = out.get(name, 0.0) + float(value)
     return out
 
@@ -309,8 +313,9 @@ async def read_models(http: aiohttp.ClientSession, replica: ReplicaState, timeou
 
 
 def apply_metrics(replica: ReplicaState, text: str) -> None:
-    """Take load, cache shape and the restart check from one /metrics page (Prometheus text)."""
-    metrics = parse_engine_metrics(text)
+    """Take load, cache shape and the restart check from one /metrics page (Prometheus text): a
+    data-parallel rank's own series where the replica is one."""
+    metrics = parse_engine_metrics(text, None if replica.rank is None else str(replica.rank))
     replica.waiting = int(metrics.get("vllm:num_requests_waiting", 0))
     replica.running = int(metrics.get("vllm:num_requests_running", 0))
     replica.others = max(replica.waiting + replica.running - replica.inflight, 0)

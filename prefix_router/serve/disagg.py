@@ -44,7 +44,7 @@ from prefix_router.prompts.analysis import PromptInfo
 from prefix_router.prompts.responses import RESPONSES, chat_usage
 from prefix_router.routing.decision import Decision, Route
 from prefix_router.serve.bodies import loads
-from prefix_router.serve.forward import Choose, InFlight, Outcome, breaker_record, forward
+from prefix_router.serve.forward import Choose, InFlight, Outcome, breaker_record, forward, headers_for
 from prefix_router.serve.inbound import Inbound
 
 __all__ = ["PREFILL_PARAMS", "TRANSFER_KEY", "decode_body", "dumps", "prefill_body", "prefill_refusal", "serve_split",
@@ -271,8 +271,8 @@ async def _prefill(gw: Gateway, inbound: Inbound, info: PromptInfo, choose: Choo
         route = Route.RETRY if attempt else decision.route
         with InFlight(gw, replica, info, decision) as slot:
             try:
-                async with gw.http.post(replica.url + inbound.path, data=payload, headers=inbound.headers,
-                                        allow_redirects=False) as upstream:
+                async with gw.http.post(replica.url + inbound.path, data=payload,
+                                        headers=headers_for(replica, inbound.headers), allow_redirects=False) as upstream:
                     data = await upstream.read()
                     status, content_type = upstream.status, upstream.headers.get("Content-Type", "application/json")
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:

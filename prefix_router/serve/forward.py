@@ -32,6 +32,7 @@ import aiohttp
 from aiohttp import web
 
 from prefix_router.cache.engine_view import EngineView
+from prefix_router.constants import DP_RANK_HEADER
 from prefix_router.fleet.breaker import BreakerState
 from prefix_router.fleet.kv_follower import check_parity
 from prefix_router.prompts.responses import MESSAGES, RESPONSES, Events, chat_usage
@@ -43,7 +44,7 @@ from prefix_router.prompts.analysis import PromptInfo
 from prefix_router.serve.relay import CLIENT_GONE, relay
 from prefix_router.fleet.replicas import ReplicaState
 
-__all__ = ["InFlight", "Outcome", "answered", "forward"]
+__all__ = ["InFlight", "Outcome", "answered", "forward", "headers_for"]
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +125,8 @@ async def _attempt(request: web.Request, gw: Gateway, inbound: Inbound, info: Pr
         try:
             # asyncio.timeout, not wait_for: no task of its own per request (None: no limit)
             async with asyncio.timeout(header_timeout):
-                upstream = await gw.http.post(replica.url + inbound.path, data=payload, headers=inbound.headers,
-                                              allow_redirects=False)
+                upstream = await gw.http.post(replica.url + inbound.path, data=payload, headers=headers_for(replica,
+                                              inbound.headers), allow_redirects=False)
             async with upstream:
                 if upstream.status >= 500:
                     slot.failed = True
@@ -152,6 +153,15 @@ async def _attempt(request: web.Request, gw: Gateway, inbound: Inbound, info: Pr
     usage, answer, response_id = answered(inbound.path, events, relayed.answer, relayed.usage)
     return Outcome(relayed.response, relayed.status, replica, decision, route, usage, relayed.ttft_s, elapsed,
                    slot.held_blocks, slot.view, slot.removals, answer, response_id)
+
+
+def headers_for(replica: ReplicaState, headers: dict[str, str]) -> dict[str, str]:
+    """The headers a request goes to ``replica`` with: with its data-parallel rank, where it is one
+    (a client's own rank header never passes: the rank is the routing's choice)."""
+    if replica.rank is None:
+        return headers
+    return {**{k: v for k, v in headers.items() if k.lower() != DP_RANK_HEADER.lower()},
+            DP_RANK_HEADER: str(replica.rank)}
 
 
 def answered(path: str, events, answer: dict | None, usage) -> tuple[dict | None, dict | None, str | None]:

@@ -81,6 +81,17 @@ async def test_configured_endpoints_are_used_without_asking_the_replica(gateway)
     assert await event_endpoints(gw, replica) == ("tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558")
 
 
+async def test_each_data_parallel_rank_follows_its_own_publisher_base_port_plus_its_rank(gateway, sources):
+    gw = gateway([{"url": "http://127.0.0.1:1", "data_parallel_size": 3, "kv_events": "tcp://10.0.0.7:5557",
+                   "kv_events_replay": "tcp://10.0.0.7:5600"}])
+    assert [await event_endpoints(gw, r) for r in gw.replicas.values()] == [
+        (f"tcp://10.0.0.7:{5557 + r}", f"tcp://10.0.0.7:{5600 + r}") for r in range(3)]
+    server = await sources({"0": rank(), "1": rank("tcp://*:5558", "tcp://*:5559")})  # rank 2 publishes nothing
+    gw = gateway([{"url": url_of(server), "data_parallel_size": 3}])
+    found = [await event_endpoints(gw, r) for r in gw.replicas.values()]
+    assert found[1] == (f"tcp://{server.host}:5558", f"tcp://{server.host}:5559") and found[2] is None
+
+
 async def test_the_replicas_own_sources_give_rank_zeros_bind_address_on_the_replicas_host(gateway, sources):
     server = await sources({"1": rank("tcp://*:6001", "tcp://*:6002"), "0": rank()})
     gw = gateway([url_of(server)])

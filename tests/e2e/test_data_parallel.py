@@ -1,0 +1,105 @@
+"""Data-parallel ranks as routing targets, black box: the gateway in front of vLLM servers of 4
+ranks each (``replicas[].data_parallel_size``). The servers are fakes that answer as vLLM 0.32 does
+for a data-parallel deployment, read from its source: a request's ``X-data-parallel-rank`` picks the
+engine (``entrypoints/generate/base/serving.py``; out of range: a 400), each engine labels its
+metric series ``engine="N"``, and ``GET /kv_event_sources`` lists each rank's publisher with its
+ports offset by the rank (``distributed/kv_events.py``). The simulator runs one engine a server."""
+
+from __future__ import annotations
+
+import collections
+
+from aiohttp import web
+
+from prefix_router.app import GATEWAY, create_app
+from prefix_router.config import config_from_dict
+from prefix_router.constants import DP_RANK_HEADER, REPLICA_HEADER
+from prefix_router.fleet.kv_follower import event_endpoints
+from prefix_router.prompts.tokenizer import ByteTokenizer
+
+from ..helpers import MODEL
+
+RANKS = 4
+
+
+class DataParallelServer:
+    """One vLLM server of ``RANKS`` engines; records the rank each generation was sent to."""
+
+    def __init__(self, waiting: dict[int, int] | None = None) -> None:
+        self.ranks: list[str | None] = []
+        self.waiting = waiting or {}
+        self.app = web.Application()
+        self.app.router.add_get("/health", self.plain)
+        self.app.router.add_get("/metrics", self.metrics)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/kv_event_sources", self.sources)
+        self.app.router.add_post("/v1/chat/completions", self.chat)
+
+    async def plain(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        lines = []
+        for r in range(RANKS):
+            labels = f'engine="{r}",model_name="{MODEL}"'
+            lines += [f"vllm:num_requests_waiting{{{labels}}} {self.waiting.get(r, 0)}",
+                      f"vllm:num_requests_running{{{labels}}} 0", f"vllm:prefix_cache_queries_total{{{labels}}} 0"]
+        return web.Response(text="\n".join(lines) + "\n")
+
+    async def sources(self, request: web.Request) -> web.Response:
+        return web.json_response({str(r): {"enable_kv_cache_events": True, "publisher": "zmq",
+                                           "endpoint": f"tcp://*:{5557 + r}", "replay_endpoint": f"tcp://*:{5600 + r}"}
+                                  for r in range(RANKS)})
+
+    async def chat(self, request: web.Request) -> web.Response:
+        await request.read()
+        rank = request.headers.get(DP_RANK_HEADER)
+        self.ranks.append(rank)
+        if rank is not None and not 0 <= int(rank) < RANKS:
+            return web.json_response({"error": {"message": f"data_parallel_rank {rank} is out of range [0, {RANKS}).",
+                                                "code": 400}}, status=400)
+        return web.json_response({"id": "chatcmpl-1", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}})
+
+
+async def start(aiohttp_server, aiohttp_client, servers: list[DataParallelServer]):
+    urls = [str((await aiohttp_server(s.app)).make_url("")).rstrip("/") for s in servers]
+    config = config_from_dict({"replicas": [{"url": u, "data_parallel_size": RANKS} for u in urls],
+                               "health": {"interval_s": 60.0}, "scrape": {"interval_s": 60.0},
+                               "kv_events": {"enabled": False}})
+    return await aiohttp_client(create_app(config, ByteTokenizer())), urls
+
+
+async def test_every_rank_gets_traffic_with_its_header_and_a_conversation_keeps_to_one_rank(aiohttp_server,
+                                                                                             aiohttp_client):
+    servers = [DataParallelServer(), DataParallelServer()]
+    client, urls = await start(aiohttp_server, aiohttp_client, servers)
+    gw = client.server.app[GATEWAY]
+    assert len(gw.replicas) == 2 * RANKS and all(r.routable for r in gw.replicas.values())
+    homes = collections.defaultdict(set)
+    for turn in range(3):
+        for session in range(24):
+            messages = [{"role": "user", "content": f"conversation {session} " + "words " * 20}]
+            messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}] * turn
+            resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages},
+                                     headers={"X-Session-ID": f"s{session}", DP_RANK_HEADER: "7"})  # the client's: ignored
+            assert resp.status == 200
+            homes[session].add(resp.headers[REPLICA_HEADER])
+    assert all(len(home) == 1 for home in homes.values())  # each conversation on one rank of one server
+    for server in servers:
+        assert set(server.ranks) == {str(r) for r in range(RANKS)}  # every rank, and only in range
+    assert {name.rsplit("@", 1)[1] for home in homes.values() for name in home} == {str(r) for r in range(RANKS)}
+
+
+async def test_each_rank_reads_its_own_engines_load_and_kv_event_publisher(aiohttp_server, aiohttp_client):
+    client, (url,) = await start(aiohttp_server, aiohttp_client, [DataParallelServer(waiting={2: 9})])
+    gw = client.server.app[GATEWAY]
+    host = url.split("//")[1]
+    assert [gw.replicas[f"{host}@{r}"].waiting for r in range(RANKS)] == [0, 0, 9, 0]
+    endpoints = [await event_endpoints(gw, gw.replicas[f"{host}@{r}"]) for r in range(RANKS)]
+    hostname = host.split(":")[0]
+    assert endpoints == [(f"tcp://{hostname}:{5557 + r}", f"tcp://{hostname}:{5600 + r}") for r in range(RANKS)]
