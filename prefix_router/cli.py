@@ -201,6 +201,11 @@ def _run_serve(args: argparse.Namespace) -> int:
         if args.grpc_port is not None:
             if config.workers > 1:
                 raise ConfigError("workers: the endpoint picker runs in one process")
+            ranked = next((i for i, r in enumerate(config.replicas) if r.data_parallel_size > 1), None)
+            if ranked is not None:  # Envoy's destination is ip:port: no header of the picker's reaches a rank
+                raise ConfigError(f"replicas[{ranked}].data_parallel_size: the endpoint picker names an endpoint by "
+                                  "ip:port, which cannot carry a data-parallel rank; leave it at 1 (vLLM balances "
+                                  "its ranks) or use prefix-router serve")
             try:
                 from prefix_router.epp.server import add_picker
             except ImportError as exc:

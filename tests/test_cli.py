@@ -139,3 +139,11 @@ def test_a_request_log_key_too_short_to_be_secret_is_one_line_and_status_2(tmp_p
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [
         "prefix-router serve: PREFIX_ROUTER_REQUEST_LOG_KEY must be a secret of at least 16 characters"]
+
+
+def test_the_endpoint_picker_refuses_data_parallel_ranks_in_one_line(tmp_path):
+    (tmp_path / "gateway.yaml").write_text("replicas: [{url: 'http://127.0.0.1:9', data_parallel_size: 4}]\n")
+    out = subprocess.run([*CLI, "epp", "--config", str(tmp_path / "gateway.yaml"), "--port", str(free_port()),
+                          "--grpc-port", str(free_port())], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert out.stderr.startswith("prefix-router epp: replicas[0].data_parallel_size: the endpoint picker")
