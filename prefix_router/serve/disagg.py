@@ -44,8 +44,8 @@ from prefix_router.prompts.analysis import PromptInfo
 from prefix_router.prompts.responses import RESPONSES, chat_usage
 from prefix_router.routing.decision import Decision, Route
 from prefix_router.serve.bodies import loads
-from prefix_router.serve.forward import Choose, InFlight, Outcome, breaker_record, forward, headers_for
-from prefix_router.serve.inbound import Inbound
+from prefix_router.serve.forward import Choose, InFlight, Outcome, attempts, breaker_record, forward, headers_for
+from prefix_router.serve.inbound import Inbound, patched
 
 __all__ = ["PREFILL_PARAMS", "TRANSFER_KEY", "decode_body", "dumps", "prefill_body", "prefill_refusal", "serve_split",
            "short_suffix", "unsplittable"]
@@ -163,7 +163,6 @@ async def serve_split(request: web.Request, gw: Gateway, inbound: Inbound, info:
         return Outcome(openai_error(400, *refused), 400)
     try:
         payload = dumps(prefill_body(inbound.body, inbound.path), inbound.raw)
-        whole = dumps(decode_body(inbound.body, None)[0], inbound.raw)
     except RecursionError:  # orjson's depth limit, then Python's
         return Outcome(openai_error(400, "request body is nested too deeply", "body"), 400)
     rid = f"prefix-router-{uuid.uuid4().hex}"  # one X-Request-Id on both legs, as vLLM's proxy does
@@ -182,8 +181,12 @@ async def serve_split(request: web.Request, gw: Gateway, inbound: Inbound, info:
                     "prompt: is it started with --kv-transfer-config and kv_role kv_producer? (said once; "
                     "prefix_router_decode_requests_total{transfer=\"no_params\"} counts them)",
                     prefilled.slot.replica.name)
-    decoding = dataclasses.replace(legs, payload=dumps(body, inbound.raw) if carried else whole)
-    outcome = await forward(request, gw, decoding, info, decision, choose_decode, retry_payload=whole, started=started)
+    # the client's body as checked (it carries no kv_transfer_params: refused at the door), the
+    # transfer spliced in front of its bytes rather than the prompt encoded again
+    whole = inbound.payload
+    decoding = patched(whole, inbound.body, {TRANSFER_KEY: body[TRANSFER_KEY]}) if carried else whole
+    outcome = await forward(request, gw, dataclasses.replace(legs, payload=decoding), info, decision, choose_decode,
+                            retry_payload=whole, started=started)
     if carried and outcome.route is Route.RETRY:  # the retry went without the transfer
         carried, transfer = False, "decode_retried"
     if outcome.replica is not None:
@@ -258,17 +261,8 @@ def _accounted(outcome: Outcome, prefilled: _Prefilled, transfer: str, path: str
 async def _prefill(gw: Gateway, inbound: Inbound, info: PromptInfo, choose: Choose, payload: bytes) -> _Prefilled:
     """The prefill leg (``payload``), retried on another prefill replica after a 5xx or no answer,
     up to ``upstream.max_retries`` times; an empty ``_Prefilled`` when none served it."""
-    tried: set[str] = set()
-    answered_5xx = []  # blamed only once another prefill replica served it (as forward.py does)
-    for attempt in range(gw.config.upstream.max_retries + 1):
-        decision = choose(frozenset(tried))
-        if decision is None:
-            break
-        tried.add(decision.replica)
-        replica = gw.replicas.get(decision.replica)
-        if replica is None or not replica.breaker.allows(time.monotonic()):
-            continue
-        route = Route.RETRY if attempt else decision.route
+    answered_5xx = []  # blamed only once the request was served (as forward.py does)
+    for _, replica, decision, route in attempts(gw, choose):
         with InFlight(gw, replica, info, decision) as slot:
             try:
                 async with gw.http.post(replica.url + inbound.path, data=payload,

@@ -26,7 +26,7 @@ import math
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import aiohttp
 from aiohttp import web
@@ -44,7 +44,7 @@ from prefix_router.prompts.analysis import PromptInfo
 from prefix_router.serve.relay import CLIENT_GONE, relay
 from prefix_router.fleet.replicas import ReplicaState
 
-__all__ = ["InFlight", "Outcome", "answered", "forward", "headers_for"]
+__all__ = ["InFlight", "Outcome", "answered", "attempts", "forward", "headers_for"]
 
 log = logging.getLogger(__name__)
 
@@ -94,25 +94,36 @@ async def forward(request: web.Request, gw: Gateway, inbound: Inbound, info: Pro
     retry goes without the transfer its first attempt may have consumed: ``disagg.py``).
     ``started``: ``time.perf_counter()`` the request's times count from (a decode leg's: its
     prefill leg's dispatch), else each attempt's own sending."""
-    tried: set[str] = set()
     answered_5xx: list[ReplicaState] = []  # replicas to blame if a later one serves the request
     last_error = "no replica answered"
-    for attempt in range(gw.config.upstream.max_retries + 1):
-        if attempt:
-            decision = choose(frozenset(tried))
-            if decision is None:
-                break
-        tried.add(decision.replica)
-        replica = gw.replicas.get(decision.replica)
-        if replica is None or not replica.breaker.allows(time.monotonic()):
-            continue  # dropped by discovery, or its breaker opened, while an earlier attempt ran
-        route = Route.RETRY if attempt else decision.route
+    for attempt, replica, decision, route in attempts(gw, choose, decision):
         payload = retry_payload if attempt and retry_payload is not None else inbound.payload
         outcome = await _attempt(request, gw, inbound, info, replica, decision, route, answered_5xx, payload, started)
         if isinstance(outcome, Outcome):
             return outcome
         last_error = outcome
     return Outcome(openai_error(502, last_error, type_="BadGatewayError"), 502)
+
+
+def attempts(gw: Gateway, choose: Choose, decision: Decision | None = None
+             ) -> Iterator[tuple[int, ReplicaState, Decision, Route]]:
+    """Each attempt to make, up to ``upstream.max_retries`` retries: (its number, the replica,
+    the decision, its route: ``retry`` after the first). The first goes where ``decision`` says
+    (``choose`` decides it when None), each later one where ``choose`` says among the replicas
+    not tried yet; a replica dropped by discovery, or whose breaker opened while an earlier
+    attempt ran, is skipped (counting as tried). Ends when the retries are spent or ``choose``
+    finds none."""
+    tried: set[str] = set()
+    for attempt in range(gw.config.upstream.max_retries + 1):
+        if attempt or decision is None:
+            decision = choose(frozenset(tried))
+            if decision is None:
+                return
+        tried.add(decision.replica)
+        replica = gw.replicas.get(decision.replica)
+        if replica is None or not replica.breaker.allows(time.monotonic()):
+            continue
+        yield attempt, replica, decision, Route.RETRY if attempt else decision.route
 
 
 async def _attempt(request: web.Request, gw: Gateway, inbound: Inbound, info: PromptInfo, replica: ReplicaState,
