@@ -3,6 +3,7 @@ cell by cell, a table with this gateway over the best baseline, and a plot."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 
@@ -21,13 +22,23 @@ def _groups(n: int) -> list[ReplayRequest]:
                                         "max_tokens": 8}, at_s=float(i)) for i in range(80 * n)]
 
 
-@pytest.fixture
-def small(monkeypatch, tmp_path):
-    monkeypatch.setattr(command, "WORKLOADS", {"groups": (_groups, 0.5, (2, 4))})
-    monkeypatch.setattr(command, "CELLS", tmp_path / "cells.jsonl")
+@contextlib.contextmanager
+def only_groups(monkeypatch, tmp_path, *commands):
+    """fleetsim-capacity's workloads, and those of the ``commands`` built on them, the one small
+    ``groups`` (objective 0.5 s, fleets of 2 and 4); each command's cells kept in ``tmp_path``."""
+    workloads = {"groups": (_groups, 0.5, (2, 4))}
+    for module in (command, *commands):
+        monkeypatch.setattr(module, "WORKLOADS", workloads)
+        monkeypatch.setattr(module, "CELLS", tmp_path / f"{module.__name__.rsplit('.', 1)[-1]}.jsonl")
     command._requests.cache_clear()
     yield tmp_path
     command._requests.cache_clear()
+
+
+@pytest.fixture
+def small(monkeypatch, tmp_path):
+    with only_groups(monkeypatch, tmp_path) as folder:
+        yield folder
 
 
 def test_each_cell_is_found_kept_and_reported_beside_the_best_baseline(small):

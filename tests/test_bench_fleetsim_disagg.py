@@ -8,19 +8,14 @@ import pytest
 
 from bench.commands import fleetsim_capacity, fleetsim_disagg as command
 
-from .test_bench_fleetsim_capacity import _groups
+from .test_bench_fleetsim_capacity import only_groups
 
 
 @pytest.fixture
 def small(monkeypatch, tmp_path):
-    workloads = {"groups": (_groups, 0.5, (2, 4))}
-    monkeypatch.setattr(fleetsim_capacity, "WORKLOADS", workloads)
-    monkeypatch.setattr(command, "WORKLOADS", workloads)
     monkeypatch.setattr(command, "RULES", {"prefix-router": ("prefix-router", 0), "round-robin": ("round-robin", 0)})
-    monkeypatch.setattr(command, "CELLS", tmp_path / "cells.jsonl")
-    fleetsim_capacity._requests.cache_clear()
-    yield tmp_path
-    fleetsim_capacity._requests.cache_clear()
+    with only_groups(monkeypatch, tmp_path, command) as folder:
+        yield folder
 
 
 def test_each_policy_has_its_capacity_and_its_figures_at_round_robins_rate(small):

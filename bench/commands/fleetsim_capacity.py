@@ -142,6 +142,17 @@ def chain(workload: str, policy: str, sizes: tuple[int, ...], steps: int, kept: 
     return out
 
 
+def run_all(todo: list[tuple], jobs: int) -> None:
+    """Each ``(function, *args)`` of ``todo``: in this process, or in ``jobs`` processes."""
+    if jobs <= 1:
+        for fn, *args in todo:
+            fn(*args)
+    elif todo:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            for f in as_completed([pool.submit(fn, *args) for fn, *args in todo]):
+                f.result()
+
+
 def read_cells(path: Path) -> list[dict]:
     """The cells kept in ``path`` (one JSON object a line), none when it is not there."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -259,13 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     todo = [(w, p) for w in workloads for p in policies
             if any((w, n, p) not in kept for n in sizes if n in WORKLOADS[w][2])]
     started = time.perf_counter()
-    if todo and not args.report_only and args.jobs <= 1:
-        for w, p in todo:
-            chain(w, p, sizes, args.steps, kept)
-    elif todo and not args.report_only:
-        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            for f in as_completed([pool.submit(chain, w, p, sizes, args.steps, kept) for w, p in todo]):
-                f.result()
+    if not args.report_only:
+        run_all([(chain, w, p, sizes, args.steps, kept) for w, p in todo], args.jobs)
     cells = {k: c for k, c in _kept().items() if k[0] in workloads and k[1] in sizes and k[2] in policies}
     out = args.out
     out.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,6 @@ import dataclasses
 import json
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from prefix_router.prompts.tokenizer import load_tokenizer
@@ -38,7 +37,7 @@ from prefix_router.tools.sim.config import SimConfig
 
 from .. import CACHE, RESULTS
 from ..report import command_line, write_results
-from .fleetsim_capacity import WORKLOADS, _first_guess, _requests, read_cells, served_rps
+from .fleetsim_capacity import WORKLOADS, _first_guess, _requests, read_cells, run_all, served_rps
 
 # a row's label -> (the policy choosing the prefill replica, disaggregation.min_prefill_tokens)
 RULES = {"prefix-router": ("prefix-router", 0), "round-robin": ("round-robin", 0),
@@ -92,17 +91,6 @@ def _kept() -> dict[tuple, dict]:
     return {(c["workload"], c["prefill"], c["decode"], c["policy"], c["reading"]): c for c in read_cells(CELLS)}
 
 
-def _run(todo: list[tuple], jobs: int) -> None:
-    """Each (function, *args) of ``todo``, in ``jobs`` processes."""
-    if jobs <= 1:
-        for fn, *args in todo:
-            fn(*args)
-    elif todo:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            for f in as_completed([pool.submit(fn, *args) for fn, *args in todo]):
-                f.result()
-
-
 def _ms(value) -> str:
     return "-" if value is None else f"{value * 1000:,.0f}"
 
@@ -149,10 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     CELLS.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     kept = _kept()
-    _run([(cell, w, p, d, policy, args.steps) for w, p, d in runs for policy in RULES
+    run_all([(cell, w, p, d, policy, args.steps) for w, p, d in runs for policy in RULES
           if (w, p, d, policy, "capacity") not in kept], args.jobs)
     kept = _kept()
-    _run([(at_rate, w, p, d, policy, kept[(w, p, d, "round-robin", "capacity")]["rate_scale"])
+    run_all([(at_rate, w, p, d, policy, kept[(w, p, d, "round-robin", "capacity")]["rate_scale"])
           for w, p, d in runs for policy in RULES if (w, p, d, policy, "common rate") not in kept], args.jobs)
     cells = {k: c for k, c in _kept().items() if (k[0], k[1], k[2]) in runs}
     cpu = sum(c["cpu_s"] for c in cells.values())

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from prefix_router.config import RoutingConfig
@@ -34,7 +33,7 @@ from prefix_router.tools.sim.config import SimConfig
 
 from .. import CACHE, RESULTS
 from ..report import command_line, write_results
-from .fleetsim_capacity import WORKLOADS, _first_guess, _requests, read_cells, served_rps
+from .fleetsim_capacity import WORKLOADS, _first_guess, _requests, read_cells, run_all, served_rps
 
 # knob -> the values tried beside its default
 KNOBS = {
@@ -118,15 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = list(zip(workloads, sizes * len(workloads) if len(sizes) == 1 else sizes))
     CELLS.parent.mkdir(parents=True, exist_ok=True)
     kept = _kept()
-    todo = [(w, n, k, v) for w, n in runs for k, v in variants() if (w, n, k, json.dumps(v)) not in kept]
     started = time.perf_counter()
-    if args.jobs <= 1:
-        for w, n, k, v in todo:
-            cell(w, k, v, n, args.steps)
-    elif todo:
-        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            for f in as_completed([pool.submit(cell, w, k, v, n, args.steps) for w, n, k, v in todo]):
-                f.result()
+    run_all([(cell, w, k, v, n, args.steps) for w, n in runs for k, v in variants()
+             if (w, n, k, json.dumps(v)) not in kept], args.jobs)
     cells = {key: c for key, c in _kept().items() if (key[0], key[1]) in runs}
     cpu = sum(c["cpu_s"] for c in cells.values())
     lines = ["The prefix-router policy, each knob moved alone: its capacity over "

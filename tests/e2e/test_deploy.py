@@ -221,13 +221,19 @@ def test_the_example_overlay_builds_and_validates():
     assert vllm["spec"]["replicas"] == 8
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) is not installed")
-def test_the_pod_discovery_overlay_lets_the_gateway_read_and_watch_the_pods_it_selects():
-    out = subprocess.run(["kubectl", "kustomize", str(KUBE / "overlays" / "pod-discovery")], capture_output=True,
-                         text=True, check=True).stdout
+def _overlay(name: str) -> dict[tuple[str, str], dict]:
+    """An overlay as ``kubectl kustomize`` renders it, each document validated, by (kind, name)."""
+    out = subprocess.run(["kubectl", "kustomize", str(KUBE / "overlays" / name)], capture_output=True, text=True,
+                         check=True).stdout
     docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
     for doc in docs.values():
         validate(doc)
+    return docs
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) is not installed")
+def test_the_pod_discovery_overlay_lets_the_gateway_read_and_watch_the_pods_it_selects():
+    docs = _overlay("pod-discovery")
     config = config_from_dict(yaml.safe_load(docs[("ConfigMap", "prefix-router")]["data"]["gateway.yaml"]))
     assert config.discovery.dns is None
     key, value = config.discovery.kubernetes.label_selector.split("=")
@@ -244,11 +250,7 @@ def test_the_pod_discovery_overlay_lets_the_gateway_read_and_watch_the_pods_it_s
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) is not installed")
 def test_the_disaggregated_overlay_wires_two_pools_to_the_gateway():
-    out = subprocess.run(["kubectl", "kustomize", str(KUBE / "overlays" / "disaggregated")], capture_output=True,
-                         text=True, check=True).stdout
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
-    for doc in docs.values():
-        validate(doc)
+    docs = _overlay("disaggregated")
     config = config_from_dict(yaml.safe_load(docs[("ConfigMap", "prefix-router")]["data"]["gateway.yaml"]))
     roles = {}
     for pool, service in ((config.discovery.dns, "decode"), (config.discovery.prefill_dns, "prefill")):
