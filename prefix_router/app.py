@@ -34,7 +34,7 @@ from prefix_router.gateway import Gateway
 from prefix_router.serve.passthrough import REPLICAS_HEADER, handle_passthrough
 from prefix_router.serve.learning import flush_waiting_lines
 from prefix_router.serve.proxy import handle_generate
-from prefix_router.fleet.replicas import check_all, poll_health, poll_metrics, scrape_once
+from prefix_router.fleet.replicas import check_all, poll_health, poll_metrics, scrape_once, servers
 from prefix_router.fleet.tenants import bearer
 from prefix_router.prompts.tokenizer import PromptTokenizer
 
@@ -169,7 +169,7 @@ async def _lifecycle(app: web.Application):
     # on the ring from the first request; /ready is 503 until one is.
     replicas = list(gw.replicas.values())
     await check_all(gw.http, replicas, config.health)
-    await asyncio.gather(*(scrape_once(gw.http, r, 2.0) for r in replicas))
+    await asyncio.gather(*(scrape_once(gw.http, server, 2.0) for server in servers(replicas)))
     gw.sync_ring()
     models_s = config.scrape.models_interval_s
     tasks = [asyncio.create_task(poll_health(gw.http, gw.replicas, config.health, models_s)),

@@ -49,6 +49,10 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
                    help="play one role of a disaggregated fleet as vLLM's NixlConnector does, e.g. "
                         "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_producer\"}' (prefill) "
                         "or \"kv_consumer\" (decode)")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="K",
+                   help="run K engines behind this server, as vllm serve --data-parallel-size: each its own "
+                        "KV cache and event publisher (ports + rank), chosen by X-data-parallel-rank or by "
+                        "vLLM's balancer (default: %(default)s)")
     p.set_defaults(func=_run_sim)
 
 
@@ -68,6 +72,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         decode_ms_per_token=args.decode_ms_per_token, time_scale=args.time_scale,
         default_max_tokens=args.default_max_tokens, tokenizer=args.tokenizer, seed=args.seed,
         kv_events=args.kv_events_config, kv_transfer=args.kv_transfer_config,
+        data_parallel_size=args.data_parallel_size,
     )
     try:
         app = create_app(config, load_tokenizer(args.tokenizer))
@@ -79,7 +84,9 @@ def _run_sim(args: argparse.Namespace) -> int:
                     print=lambda *_: print(f"simulated vLLM replica on http://{args.host}:{args.port} "
                                            f"model={config.model} blocks={config.num_gpu_blocks}x{config.block_size}"
                                            + (f" kv_role={config.kv_transfer['kv_role']}" if config.kv_transfer
-                                              else ""), flush=True))
+                                              else "")
+                                           + (f" data_parallel_size={config.data_parallel_size}"
+                                              if config.data_parallel_size > 1 else ""), flush=True))
     except OSError as exc:  # the port taken, an address this machine does not have
         print(f"prefix-router sim: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1

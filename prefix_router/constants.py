@@ -6,7 +6,8 @@ than one module must agree on.
 
 from __future__ import annotations
 
-__all__ = ["DP_RANK_HEADER", "REPLICA_HEADER", "VLLM_BLOCK_SIZE", "CHAR_BLOCK_SIZE", "VLLM_TTFT_BUCKETS", "VLLM_LATENCY_BUCKETS",
+__all__ = ["DP_RANK_HEADER", "MAX_DATA_PARALLEL_SIZE", "DP_SIZE_ANNOTATION", "KV_EVENTS_PORT_ANNOTATION",
+           "KV_EVENTS_REPLAY_PORT_ANNOTATION", "REPLICA_HEADER", "VLLM_BLOCK_SIZE", "CHAR_BLOCK_SIZE", "VLLM_TTFT_BUCKETS", "VLLM_LATENCY_BUCKETS",
            "TOKENIZER_CACHE_TOKENS"]
 
 # The response header naming the replica that served a proxied request (the replay client,
@@ -15,6 +16,18 @@ REPLICA_HEADER = "x-prefix-router-replica"
 # the header that sends a request to one data-parallel rank of a vLLM server, past its own balancer
 # (vllm/entrypoints/generate/base/serving.py, vLLM 0.32)
 DP_RANK_HEADER = "X-data-parallel-rank"
+# the most data-parallel ranks one server may be given (replicas[].data_parallel_size, a pod's
+# annotation): each is a replica with its own index, so a typo must not make a million of them;
+# vLLM reaches by header only the engines local to the server (vllm/v1/engine/input_processor.py),
+# 8 a node in practice
+MAX_DATA_PARALLEL_SIZE = 256
+
+# pod annotations that discovery.kubernetes reads (prefix_router/fleet/kubernetes.py): the
+# server's --data-parallel-size (absent: 1, vLLM balancing its ranks itself), and the port of its
+# KV-event publisher and replay socket, for vLLM before 0.32, which has no /kv_event_sources
+DP_SIZE_ANNOTATION = "prefix-router.io/data-parallel-size"
+KV_EVENTS_PORT_ANNOTATION = "prefix-router.io/kv-events-port"
+KV_EVENTS_REPLAY_PORT_ANNOTATION = "prefix-router.io/kv-events-replay-port"
 
 # vLLM's default KV block size on GPU (``CacheConfig.block_size``, vllm/config/cache.py): the
 # gateway's, the simulator's and the audit's when nothing says otherwise

@@ -36,14 +36,14 @@ from prefix_router.routing.prefix_stats import BranchStats, PrefixDemand
 from prefix_router.metrics import GatewayMetrics
 from prefix_router.routing.policy import make_policy
 from prefix_router.prompts.analysis import PromptInfo
-from prefix_router.fleet.replicas import DEFAULT_CAPACITY_BLOCKS, ReplicaState, read_models
+from prefix_router.fleet.replicas import DEFAULT_CAPACITY_BLOCKS, ReplicaState, read_models, servers
 from prefix_router.misses.request_log import RequestLog
 from prefix_router.fleet.response_homes import ResponseHomes
 from prefix_router.routing.ring import Ring
 from prefix_router.fleet.tenants import Tenants
 from prefix_router.prompts.tokenizer import PromptTokenizer
 
-__all__ = ["Gateway", "replica_name"]
+__all__ = ["Gateway", "members", "replica_name"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,16 @@ def replica_name(url: str) -> str:
     """A replica's label: host:port of its URL (bounded by the configuration)."""
     parts = urlsplit(url)
     return parts.netloc or url
+
+
+def members(rc: ReplicaConfig) -> list[tuple[str, int | None]]:
+    """(name, data-parallel rank) of each replica a server is: itself (rank None), or each of its
+    ``data_parallel_size`` ranks, ``host:port@rank`` (an engine with its own prefix cache, reached
+    with the ``X-data-parallel-rank`` header)."""
+    base = replica_name(rc.url)
+    if rc.data_parallel_size == 1:
+        return [(base, None)]
+    return [(f"{base}@{rank}", rank) for rank in range(rc.data_parallel_size)]
 
 
 class Gateway:
@@ -128,46 +138,52 @@ class Gateway:
         return found
 
     def add_replica(self, rc: ReplicaConfig, *, discovered: bool = False) -> ReplicaState:
-        """Know a replica: a server, or each data-parallel rank of one (``host:port@rank``; the
-        first rank's state is returned). A discovered one joins the ring after its first
-        ``/metrics`` scrape (``recovering``), which also reads its block size and capacity."""
-        ranks = [None] if rc.data_parallel_size == 1 else list(range(rc.data_parallel_size))
-        states = []
-        for rank in ranks:
-            name = replica_name(rc.url) + ("" if rank is None else f"@{rank}")
-            state = ReplicaState(rc, name, block_size=rc.block_size, num_gpu_blocks=rc.num_gpu_blocks,
-                                 discovered=discovered, recovering=discovered,
-                                 breaker=CircuitBreaker(self.config.breaker),
-                                 shadow=ShadowIndex(DEFAULT_CAPACITY_BLOCKS, self.shadow_holders), rank=rank)
-            self.replicas[name] = state
-            if rc.role == "prefill":
-                self.prefill_names = self.prefill_names | {name}
-            states.append(state)
+        """Know a replica: a server, or each data-parallel rank of one (``members``; the first
+        rank's state is returned). A discovered one joins the ring after its first ``/metrics``
+        scrape (``recovering``), which also reads its block size and capacity."""
+        states = [self._add_member(rc, name, rank, discovered) for name, rank in members(rc)]
         return states[0]
 
-    def apply_discovery(self, urls: Iterable[str] | Mapping[str, str], now: float) -> tuple[list[str], list[str]]:
-        """Make the discovered replicas those at ``urls`` (base URLs, or base URLs to their role);
-        ``now``: monotonic seconds.
+    def _add_member(self, rc: ReplicaConfig, name: str, rank: int | None, discovered: bool) -> ReplicaState:
+        state = ReplicaState(rc, name, block_size=rc.block_size, num_gpu_blocks=rc.num_gpu_blocks,
+                             discovered=discovered, recovering=discovered,
+                             breaker=CircuitBreaker(self.config.breaker),
+                             shadow=ShadowIndex(DEFAULT_CAPACITY_BLOCKS, self.shadow_holders), rank=rank)
+        self.replicas[name] = state
+        if rc.role == "prefill":
+            self.prefill_names = self.prefill_names | {name}
+        return state
 
-        New URLs are added; a discovered replica missing from ``urls`` starts draining (off the
-        ring, forgotten by ``forget_drained``); a draining one that is back stops draining and
-        keeps its shadow index; one found in another role takes it. Static replicas are never
-        touched. Returns (added, drained) names.
+    def apply_discovery(self, found: Iterable[str] | Mapping[str, str | ReplicaConfig],
+                        now: float) -> tuple[list[str], list[str]]:
+        """Make the discovered replicas the servers in ``found``: base URLs, or base URLs to their
+        role or to their whole ``ReplicaConfig`` (role, data-parallel size, KV-event publisher, as
+        pod annotations give them); ``now``: monotonic seconds.
+
+        Each server is its members (``members``: one, or one per data-parallel rank). New members
+        are added; a discovered member missing from ``found`` (its server gone, or now running
+        fewer ranks) starts draining (off the ring, forgotten by ``forget_drained``); a draining
+        one that is back stops draining and keeps its shadow index; one whose server's
+        configuration changed (its role, say) takes it. Static replicas are never touched.
+        Returns (added, drained) names.
         """
-        roles = urls if isinstance(urls, Mapping) else dict.fromkeys(urls, "both")
-        wanted = {replica_name(u): (u, role) for u, role in roles.items()}
+        specs = found if isinstance(found, Mapping) else dict.fromkeys(found, "both")
+        wanted: dict[str, tuple[ReplicaConfig, int | None]] = {}
+        for url, spec in specs.items():
+            rc = spec if isinstance(spec, ReplicaConfig) else ReplicaConfig(url=url, role=spec)
+            wanted.update((name, (rc, rank)) for name, rank in members(rc))
         added, drained = [], []
-        for name, (url, role) in wanted.items():
+        for name, (rc, rank) in wanted.items():
             replica = self.replicas.get(name)
             if replica is None:
-                self.add_replica(ReplicaConfig(url=url, role=role), discovered=True)
+                self._add_member(rc, name, rank, discovered=True)
                 added.append(name)
                 continue
             if replica.draining_since is not None:
                 replica.draining_since = None
-            if replica.discovered and replica.config.role != role:
-                replica.config = replace(replica.config, role=role)
-                self.prefill_names = (self.prefill_names | {name} if role == "prefill"
+            if replica.discovered and replica.config != rc:
+                replica.config = rc
+                self.prefill_names = (self.prefill_names | {name} if rc.role == "prefill"
                                       else self.prefill_names - {name})
         for name, replica in self.replicas.items():
             if replica.discovered and name not in wanted and replica.draining_since is None:
@@ -276,7 +292,8 @@ class Gateway:
             return
         self._models_read_at = now
         self._models_reading = asyncio.ensure_future(
-            asyncio.gather(*(read_models(self.http, r, 2.0) for r in self.replicas.values() if r.routable)))
+            asyncio.gather(*(read_models(self.http, server, 2.0)
+                              for server in servers(r for r in self.replicas.values() if r.routable))))
         try:
             await asyncio.shield(self._models_reading)
         finally:
@@ -302,7 +319,7 @@ class Gateway:
                 "block_size": r.block_size, "num_gpu_blocks": r.num_gpu_blocks,
                 "capacity_tokens": (r.num_gpu_blocks - 1) * r.block_size if r.num_gpu_blocks and r.block_size else None,
                 "ring_share": round(shares.get(r.name, 0.0), 4), "shadow_blocks": len(r.shadow),
-                "models": r.models, "kv_events": _describe_events(r),
+                "models": r.models, "last_failure": r.last_failure or None, "kv_events": _describe_events(r),
             } for r in self.replicas.values()],
             "change_sites": [{"cause": s.cause.value, "message_index": s.message_index, "role": s.role,
                               "token_position": s.token_position, "count": s.count, "lost_tokens": s.lost_tokens}

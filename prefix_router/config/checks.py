@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from prefix_router.constants import MAX_DATA_PARALLEL_SIZE
 from prefix_router.config.schema import (POLICIES, AdmissionConfig, AuthConfig, BreakerConfig, ChangesConfig, DisaggregationConfig, DiscoveryConfig,
                      GatewayConfig, HealthConfig, IndexConfig, KubernetesConfig, KvEventsConfig, LimitsConfig, ReplicaConfig,
                      RoutingConfig, ScrapeConfig, TenantConfig, UpstreamConfig)
@@ -176,7 +177,7 @@ CHECKS: dict[tuple[type, str], _Check] = {
     (ReplicaConfig, "num_gpu_blocks"): _POSITIVE,
     (ReplicaConfig, "weight"): _POSITIVE,
     (ReplicaConfig, "role"): _one_of("prefill", "decode", "both"),
-    (ReplicaConfig, "data_parallel_size"): _POSITIVE,
+    (ReplicaConfig, "data_parallel_size"): _bounded(1, MAX_DATA_PARALLEL_SIZE),
     (DisaggregationConfig, "connector"): _one_of("nixl"),
     (DisaggregationConfig, "min_prefill_tokens"): _NON_NEGATIVE,
     (RoutingConfig, "policy"): _one_of(*POLICIES),

@@ -3,7 +3,8 @@ while it is Ready and not terminating (``discovery.kubernetes``).
 
 Where DNS (``discovery.py``) learns of a pod only once its headless Service publishes it and of
 its end only at the next lookup, the API tells at once, and tells more: labels (the pod's role in
-a disaggregated fleet, ``role_label``). The loop (``PodWatcher.run``), as the API's own
+a disaggregated fleet, ``role_label``) and annotations (its data-parallel ranks, each a replica;
+its KV-event ports: ``target``). The loop (``PodWatcher.run``), as the API's own
 documentation asks of a client (https://kubernetes.io/docs/reference/using-api/api-concepts/):
 
 1. LIST the namespace's pods matching the selector; every pod that takes traffic (``target``)
@@ -37,7 +38,9 @@ from pathlib import Path
 
 import aiohttp
 
-from prefix_router.config import ConfigError, KubernetesConfig
+from prefix_router.config import ConfigError, KubernetesConfig, ReplicaConfig
+from prefix_router.constants import (DP_SIZE_ANNOTATION, KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION,
+                                     MAX_DATA_PARALLEL_SIZE)
 from prefix_router.fleet.replicas import check_all, scrape_once
 from prefix_router.gateway import Gateway
 
@@ -50,22 +53,53 @@ _NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _MAX_BACKOFF_S = 30.0
 
 
-def target(pod: dict, config: KubernetesConfig) -> tuple[str, str] | None:
-    """(base URL, role) of a pod (its JSON object, as the API sends it) that takes traffic: an IP,
-    no ``deletionTimestamp``, condition Ready "True"; None otherwise. The role is its
-    ``role_label``, ``both`` when absent or not one of ``ROLES``."""
+def target(pod: dict, config: KubernetesConfig) -> ReplicaConfig | None:
+    """The replica configuration of a pod (its JSON object, as the API sends it) that takes
+    traffic: an IP, no ``deletionTimestamp``, condition Ready "True"; None otherwise.
+
+    Read from the pod: its role from the ``role_label`` label (``both`` when absent or not one
+    of ``ROLES``), its data-parallel ranks from the ``DP_SIZE_ANNOTATION`` annotation, its
+    KV-event ports from ``KV_EVENTS_PORT_ANNOTATION`` and ``KV_EVENTS_REPLAY_PORT_ANNOTATION``
+    (``prefix_router/constants.py``). An annotation that is not a number in range is ignored,
+    with a warning: the pod is served as one replica, its events found through
+    ``/kv_event_sources``."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     ip = status.get("podIP")
     if not ip or meta.get("deletionTimestamp"):
         return None
     if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()):
         return None
-    role = (meta.get("labels") or {}).get(config.role_label, "both")
     try:
         host = f"[{ip}]" if ipaddress.ip_address(ip).version == 6 else ip
     except ValueError:
         return None
-    return f"http://{host}:{config.port}", role if role in ROLES else "both"
+    role = (meta.get("labels") or {}).get(config.role_label, "both")
+    notes = meta.get("annotations") or {}
+    name = meta.get("name", "?")
+    size = _number(notes, DP_SIZE_ANNOTATION, MAX_DATA_PARALLEL_SIZE, name) or 1
+    port, replay = (_number(notes, key, 65535, name) for key in (KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION))
+    return ReplicaConfig(url=f"http://{host}:{config.port}", role=role if role in ROLES else "both",
+                         data_parallel_size=size, kv_events=f"tcp://{host}:{port}" if port else None,
+                         kv_events_replay=f"tcp://{host}:{replay}" if port and replay else None)
+
+
+_warned: set[tuple[str, str, str]] = set()
+
+
+def _number(notes: dict, key: str, high: int, pod: str) -> int | None:
+    """Annotation ``key``'s value as an integer in 1..``high``; None when absent or not one
+    (warned once a pod and value)."""
+    value = notes.get(key)
+    if value is None:
+        return None
+    text = str(value).strip()
+    if text.isascii() and text.isdigit() and 1 <= int(text) <= high:
+        return int(text)
+    if (pod, key, text) not in _warned:
+        _warned.add((pod, key, text))
+        log.warning("kubernetes: pod %s: annotation %s=%r is not a number from 1 to %d; ignored", pod, key,
+                    text[:40], high)
+    return None
 
 
 class PodWatcher:
@@ -77,28 +111,32 @@ class PodWatcher:
 
         self.gw, self.config, self.namespace = gw, config, namespace
         self.v1 = client.CoreV1Api(api)
-        self.pods: dict[str, tuple[str, str]] = {}  # pod name -> (URL, role), those taking traffic
+        self.pods: dict[str, ReplicaConfig] = {}  # pod name -> its replica, those taking traffic
         self.probes: set[asyncio.Task] = set()  # new replicas' first checks, held until they end
         self.seen: str | None = None  # the last resourceVersion the watch saw
 
     def _apply(self) -> None:
-        added, drained = self.gw.apply_discovery(dict(self.pods.values()), time.monotonic())
+        added, drained = self.gw.apply_discovery({rc.url: rc for rc in self.pods.values()}, time.monotonic())
+        servers: dict[str, list[str]] = {}  # a server's new members, probed together
         for name in added:
-            log.info("kubernetes: pod %s ready (%s); health-checked and scraped now", name,
-                     self.gw.replicas[name].config.role)
-            task = asyncio.get_running_loop().create_task(self._probe(name))
+            servers.setdefault(self.gw.replicas[name].url, []).append(name)
+        for url, names in servers.items():
+            log.info("kubernetes: pod at %s ready (%s%s); health-checked and scraped now", url,
+                     self.gw.replicas[names[0]].config.role, "" if len(names) == 1 else f", {len(names)} ranks")
+            task = asyncio.get_running_loop().create_task(self._probe(names))
             self.probes.add(task)
             task.add_done_callback(self.probes.discard)
         for name in drained:
             log.info("kubernetes: replica %s no longer ready or gone; draining", name)
 
-    async def _probe(self, name: str) -> None:
-        """A new replica's health check and scrape, at once: on the ring within a second."""
-        replica = self.gw.replicas.get(name)
-        if replica is None or self.gw.http is None:
+    async def _probe(self, names: list[str]) -> None:
+        """A new server's health check and scrape, at once, for all its ranks: on the ring
+        within a second."""
+        group = [self.gw.replicas[n] for n in names if n in self.gw.replicas]
+        if not group or self.gw.http is None:
             return
-        await check_all(self.gw.http, [replica], self.gw.config.health)
-        await scrape_once(self.gw.http, replica, 2.0)
+        await check_all(self.gw.http, group, self.gw.config.health)
+        await scrape_once(self.gw.http, group, 2.0)
         self.gw.sync_ring()
 
     def on_event(self, kind: str, pod: dict) -> None:

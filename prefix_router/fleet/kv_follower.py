@@ -6,8 +6,9 @@ the publisher: ``replicas[].kv_events`` when configured, else the replica's own
 bind address ``tcp://*:5557``, whose ``*`` is the replica's host as the gateway reaches it), else
 ``kv_events.port`` on the replica's host. It then starts an ``EventStream`` into an
 ``EngineView`` (``prefix_router/cache/stream.py``, ``prefix_router/cache/events.py``) and keeps it until the replica
-leaves. Only data-parallel rank 0 is followed: a replica running several ranks behind one server
-is routed by its rank 0's cache.
+leaves. A data-parallel rank (``replicas[].data_parallel_size``) follows its own engine's
+publisher: its entry in ``/kv_event_sources``, else the configured ports plus its rank, as vLLM
+offsets them. A server of several ranks not known as such is routed by its rank 0's cache.
 
 ``ReplicaState.cache_index`` is what routing reads: the engine's view while its stream is fresh
 and the prompt was cut into exact token blocks (events carry token ids: character blocks never
@@ -92,7 +93,8 @@ async def event_endpoints(gw: Gateway, replica: ReplicaState) -> tuple[str, str 
     events = gw.config.kv_events
     if sources is None and events.port:  # no /kv_event_sources (vLLM before 0.32): the configured ports
         replay = f"tcp://{host}:{events.replay_port}" if events.replay_port else None
-        return f"tcp://{host}:{events.port}", replay
+        rank = replica.rank or 0
+        return _offset(f"tcp://{host}:{events.port}", rank), _offset(replay, rank)
     return None
 
 

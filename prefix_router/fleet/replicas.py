@@ -28,7 +28,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -42,10 +42,11 @@ from prefix_router.cache.engine_view import EngineView
 from prefix_router.cache.stream import EventStream
 
 __all__ = ["ReplicaState", "parse_engine_metrics", "check_once", "check_all", "apply_health", "apply_metrics", "poll_health",
-           "scrape_once", "poll_metrics", "spread"]
+           "scrape_once", "poll_metrics", "servers", "spread"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+U = TypeVar("U")
 
 # groups a round of probes is started in, evenly over its interval (``spread``): a tenth of a
 # second apart at the default scrape interval, few enough wakeups to cost nothing
@@ -103,6 +104,7 @@ class ReplicaState:
     parity_mismatch: int = 0  # ... and never showed
     parity_hint: str = ""  # the likely cause of the last mismatch
     rank: int | None = None  # its data-parallel rank on a server of several (ReplicaConfig.data_parallel_size)
+    missing_rank: bool = False  # a rank its server's /metrics does not report (``apply_metrics``)
 
     @property
     def url(self) -> str:
@@ -223,9 +225,8 @@ def apply_health(replica: ReplicaState, ok: bool, config: HealthConfig) -> None:
                     replica.failures, replica.last_failure)
 
 
-async def spread(replicas: list[ReplicaState], interval_s: float, probe: Callable[[ReplicaState], Awaitable[T]]
-                 ) -> list[T]:
-    """``probe`` every one of ``replicas``, started in ``SPREAD_SLICES`` groups evenly over
+async def spread(replicas: list[U], interval_s: float, probe: Callable[[U], Awaitable[T]]) -> list[T]:
+    """``probe`` every one of ``replicas`` (replicas, or servers: ``servers``), started in ``SPREAD_SLICES`` groups evenly over
     ``interval_s`` rather than all at once, then every answer, in their order. 256 replicas
     probed in one burst put 256 requests, and their answers, between two client requests: a
     stall of the event loop the requests behind it wait out."""
@@ -249,13 +250,27 @@ async def spread(replicas: list[ReplicaState], interval_s: float, probe: Callabl
     return [by_replica[id(r)] for r in replicas]
 
 
+def servers(replicas: Iterable[ReplicaState]) -> list[list[ReplicaState]]:
+    """``replicas`` grouped by server (URL), in their order: a server's data-parallel ranks are
+    one group, sharing its ``/health``, ``/metrics`` and ``/v1/models``, fetched once for all."""
+    groups: dict[str, list[ReplicaState]] = {}
+    for replica in replicas:
+        groups.setdefault(replica.url, []).append(replica)
+    return list(groups.values())
+
+
 async def check_all(http: aiohttp.ClientSession, replicas: list[ReplicaState], config: HealthConfig,
                     interval_s: float = 0.0) -> None:
-    """One health check of each of ``replicas``, spread over ``interval_s`` (0: at once), each
-    applied (``apply_health``) as it answers: a failure counts at once, not at the round's end."""
-    async def probe(replica: ReplicaState) -> None:
-        apply_health(replica, await check_once(http, replica, config.timeout_s), config)
-    await spread(replicas, interval_s, probe)
+    """One health check of each server among ``replicas`` (``servers``), spread over
+    ``interval_s`` (0: at once), applied to each of its ranks (``apply_health``) as it answers:
+    a failure counts at once, not at the round's end."""
+    async def probe(group: list[ReplicaState]) -> None:
+        ok = await check_once(http, group[0], config.timeout_s)
+        for replica in group:
+            if not ok:
+                replica.last_failure = group[0].last_failure
+            apply_health(replica, ok, config)
+    await spread(servers(replicas), interval_s, probe)
 
 
 async def poll_health(http: aiohttp.ClientSession, replicas: Mapping[str, ReplicaState], config: HealthConfig,
@@ -270,52 +285,67 @@ async def poll_health(http: aiohttp.ClientSession, replicas: Mapping[str, Replic
         await check_all(http, current, config, config.interval_s)
         # a replica that just passed waits for a scrape to join the ring: scrape it now, not at
         # the next round of poll_metrics
-        joining = [r for r in current if r.healthy and r.recovering]
-        await asyncio.gather(*(scrape_once(http, r, max(config.timeout_s, 1.0), models_interval_s) for r in joining))
+        joining = servers(r for r in current if r.healthy and r.recovering)
+        await asyncio.gather(*(scrape_once(http, g, max(config.timeout_s, 1.0), models_interval_s) for g in joining))
         await asyncio.sleep(max(0.0, started + config.interval_s - loop.time()))
 
 
-async def scrape_once(http: aiohttp.ClientSession, replica: ReplicaState, timeout_s: float,
+async def scrape_once(http: aiohttp.ClientSession, server: list[ReplicaState], timeout_s: float,
                       models_interval_s: float = 0.0) -> bool:
-    """Read one replica's /metrics, and its /v1/models when last read ``models_interval_s`` ago
-    or more, into its state; False when /metrics did not answer. The models are read again and
+    """Read one server's /metrics, and its /v1/models when last read ``models_interval_s`` ago
+    or more, into the state of each of ``server``'s replicas (its ranks, or itself: one
+    ``servers`` group); False when /metrics did not answer. The models are read again and
     again, so LoRA adapters loaded or unloaded at run time (``/v1/load_lora_adapter``: vLLM
     lists each adapter as a model) are followed; a failed read keeps the list from before."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
-        async with http.get(replica.url + "/metrics", timeout=timeout) as resp:
+        async with http.get(server[0].url + "/metrics", timeout=timeout) as resp:
             if resp.status != 200:
                 return False
             text = await resp.text()
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
         return False
-    apply_metrics(replica, text)
-    if time.monotonic() - replica.models_read_at >= models_interval_s:
-        await read_models(http, replica, timeout_s)
+    for replica in server:
+        apply_metrics(replica, text)
+    if time.monotonic() - server[0].models_read_at >= models_interval_s:
+        await read_models(http, server, timeout_s)
     return True
 
 
-async def read_models(http: aiohttp.ClientSession, replica: ReplicaState, timeout_s: float) -> None:
-    """One replica's ``/v1/models`` ids into ``replica.models`` (unchanged when it fails, and
-    asked again at the next scrape)."""
+async def read_models(http: aiohttp.ClientSession, server: list[ReplicaState], timeout_s: float) -> None:
+    """One server's ``/v1/models`` ids into ``models`` of each of its replicas (unchanged when it
+    fails, and asked again at the next scrape)."""
     try:
-        async with http.get(replica.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with http.get(server[0].url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             models = [m["id"] for m in (await resp.json()).get("data", [])] if resp.status == 200 else None
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError, AttributeError):
         models = None
-    if models is not None:
+    if models is None:
+        return
+    for replica in server:
         replica.models_read_at = time.monotonic()
-    if models is not None and models != replica.models:
-        if replica.models:
-            log.info("replica %s now serves %s (was %s)", replica.name, ", ".join(models) or "nothing",
-                     ", ".join(replica.models))
-        replica.models = models
+        if models != replica.models:
+            if replica.models:
+                log.info("replica %s now serves %s (was %s)", replica.name, ", ".join(models) or "nothing",
+                         ", ".join(replica.models))
+            replica.models = models
 
 
 def apply_metrics(replica: ReplicaState, text: str) -> None:
     """Take load, cache shape and the restart check from one /metrics page (Prometheus text): a
     data-parallel rank's own series where the replica is one."""
-    metrics = parse_engine_metrics(text, None if replica.rank is None else str(replica.rank))
+    engine = None if replica.rank is None else str(replica.rank)
+    metrics = parse_engine_metrics(text, engine)
+    if engine is not None and "vllm:num_requests_running" not in metrics and "vllm:num_requests_running{" in text:
+        # the server labels its engines' series and none is this rank: it runs fewer ranks than
+        # configured (vLLM answers 400 to a rank out of range), so this one stays off the ring
+        if not replica.missing_rank:
+            log.warning("replica %s: its server reports no engine %s (fewer data-parallel ranks than "
+                        "configured); off the ring", replica.name, engine)
+        replica.missing_rank, replica.recovering = True, True
+        replica.last_failure = f"the server's /metrics has no engine=\"{engine}\""
+        return
+    replica.missing_rank = False
     replica.waiting = int(metrics.get("vllm:num_requests_waiting", 0))
     replica.running = int(metrics.get("vllm:num_requests_running", 0))
     replica.others = max(replica.waiting + replica.running - replica.inflight, 0)
@@ -349,11 +379,11 @@ async def poll_metrics(http: aiohttp.ClientSession, replicas: Mapping[str, Repli
     loop = asyncio.get_running_loop()
     timeout_s = max(interval_s, 1.0)
 
-    async def probe(replica: ReplicaState) -> None:
-        if not replica.idle or time.monotonic() - replica.scraped_at >= idle_interval_s:
-            await scrape_once(http, replica, timeout_s, models_interval_s)
-        else:  # an idle replica between its scrapes: its model list keeps its own interval
-            await read_models(http, replica, timeout_s)
+    async def probe(server: list[ReplicaState]) -> None:
+        if not all(r.idle for r in server) or time.monotonic() - server[0].scraped_at >= idle_interval_s:
+            await scrape_once(http, server, timeout_s, models_interval_s)
+        else:  # an idle server between its scrapes: its model list keeps its own interval
+            await read_models(http, server, timeout_s)
 
     await asyncio.sleep(interval_s)
     while True:
@@ -361,7 +391,7 @@ async def poll_metrics(http: aiohttp.ClientSession, replicas: Mapping[str, Repli
         now = time.monotonic()
         due = [r for r in replicas.values() if not r.idle or now - r.scraped_at >= idle_interval_s
                or now - r.models_read_at >= models_interval_s]
-        await spread(due, interval_s, probe)
+        await spread(servers(due), interval_s, probe)
         await asyncio.sleep(max(0.0, started + interval_s - loop.time()))
 
 

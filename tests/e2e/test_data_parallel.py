@@ -3,11 +3,15 @@ ranks each (``replicas[].data_parallel_size``). The servers are fakes that answe
 for a data-parallel deployment, read from its source: a request's ``X-data-parallel-rank`` picks the
 engine (``entrypoints/generate/base/serving.py``; out of range: a 400), each engine labels its
 metric series ``engine="N"``, and ``GET /kv_event_sources`` lists each rank's publisher with its
-ports offset by the rank (``distributed/kv_events.py``). The simulator runs one engine a server."""
+ports offset by the rank (``distributed/kv_events.py``). Then the same against simulated servers of 4
+engines each (``--data-parallel-size``), each engine publishing its own KV events."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import json
+import random
 
 from aiohttp import web
 
@@ -17,7 +21,8 @@ from prefix_router.constants import DP_RANK_HEADER, REPLICA_HEADER
 from prefix_router.fleet.kv_follower import event_endpoints
 from prefix_router.prompts.tokenizer import ByteTokenizer
 
-from ..helpers import MODEL
+from ..helpers import MODEL, metric
+from .test_kv_events_gateway import EVENTS, conversations, start_gateway
 
 RANKS = 4
 
@@ -103,3 +108,40 @@ async def test_each_rank_reads_its_own_engines_load_and_kv_event_publisher(aioht
     endpoints = [await event_endpoints(gw, gw.replicas[f"{host}@{r}"]) for r in range(RANKS)]
     hostname = host.split(":")[0]
     assert endpoints == [(f"tcp://{hostname}:{5557 + r}", f"tcp://{hostname}:{5600 + r}") for r in range(RANKS)]
+
+
+async def test_each_ranks_events_predict_its_engines_cache_exactly(fleet, aiohttp_client, tmp_path):
+    # 2 servers of 4 engines of 60 blocks: 8 sessions of 5 turns overflow some, so each rank's
+    # view must follow its own engine's evictions, from its own publisher
+    servers = await fleet(2, num_gpu_blocks=60, max_model_len=900, block_size=16, kv_events=EVENTS,
+                          data_parallel_size=RANKS)
+    log = tmp_path / "requests.jsonl"
+    client, gw = await start_gateway(aiohttp_client, servers, request_log=str(log), data_parallel_size=RANKS)
+    assert len(gw.replicas) == 2 * RANKS
+    assert len({r.stream.endpoint for r in gw.replicas.values()}) == 2 * RANKS  # a publisher each
+    await conversations(client, random.Random(11), sessions=8)
+    await asyncio.sleep(0.5)  # the last parity checks' grace
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    wrong = [(x["replica"], x["predicted_cached_tokens"], x["cached_tokens"]) for x in lines
+             if x["predicted_cached_tokens"] != x["cached_tokens"]]
+    assert len(lines) == 40 and not wrong, wrong
+    assert len({x["replica"] for x in lines}) > RANKS  # ranks of both servers served
+    page = await (await client.get("/metrics")).text()
+    assert metric(page, "prefix_router_kv_parity_total", result="mismatch") == 0
+
+
+async def test_ranks_the_server_does_not_run_stay_off_the_ring(fleet, aiohttp_client):
+    (server,) = await fleet(1, data_parallel_size=2)
+    url = str(server.make_url("")).rstrip("/")
+    config = config_from_dict({"replicas": [{"url": url, "data_parallel_size": RANKS}],
+                               "kv_events": {"enabled": False}})
+    client = await aiohttp_client(create_app(config, ByteTokenizer()))
+    gw = client.server.app[GATEWAY]
+    host = url.split("//")[1]
+    assert [gw.replicas[f"{host}@{r}"].routable for r in range(RANKS)] == [True, True, False, False]
+    shown = {r["name"]: r for r in (await (await client.get("/replicas")).json())["replicas"]}
+    assert 'engine="2"' in shown[f"{host}@2"]["last_failure"]  # the operator sees why
+    for i in range(12):
+        resp = await client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, "messages": [
+            {"role": "user", "content": f"question {i}"}]}, headers={"X-Session-ID": f"s{i}"})
+        assert resp.status == 200  # never sent to a rank vLLM would refuse

@@ -67,13 +67,15 @@ class FakeKubeApi:
 
     # -- changes -------------------------------------------------------------------------------
     def put(self, name: str, ip: str, *, ready: bool = True, labels: dict | None = None,
-            deleting: bool = False) -> None:
-        """Create or change a pod: its IP, Ready condition, labels, and whether it is terminating."""
+            deleting: bool = False, annotations: dict | None = None) -> None:
+        """Create or change a pod: its IP, Ready condition, labels, annotations, and whether it is
+        terminating."""
         old = self.pods.get(name)
         self.version += 1
         pod = {"kind": "Pod", "apiVersion": "v1",
                "metadata": {"name": name, "namespace": self.namespace, "resourceVersion": str(self.version),
-                            "labels": dict(labels if labels is not None else {"app": "vllm"})},
+                            "labels": dict(labels if labels is not None else {"app": "vllm"}),
+                            **({"annotations": dict(annotations)} if annotations else {})},
                "status": {"phase": "Running", "podIP": ip,
                           "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
         if deleting:

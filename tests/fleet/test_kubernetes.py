@@ -7,13 +7,15 @@ addresses that stand for pod IPs."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
 
 from prefix_router.app import GATEWAY, create_app
-from prefix_router.config import KubernetesConfig, config_from_dict
-from prefix_router.constants import REPLICA_HEADER
+from prefix_router.config import KubernetesConfig, ReplicaConfig, config_from_dict
+from prefix_router.constants import (DP_SIZE_ANNOTATION, KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION,
+                                     MAX_DATA_PARALLEL_SIZE, REPLICA_HEADER)
 from prefix_router.fleet.kubernetes import namespace_of, target
 from prefix_router.prompts.tokenizer import ByteTokenizer
 from prefix_router.tools.launch import free_port
@@ -32,14 +34,29 @@ def pod(ip: str = "10.0.0.7", ready: str = "True", **meta) -> dict:
 
 
 def test_a_pod_takes_traffic_while_ready_with_an_ip_and_not_terminating():
-    assert target(pod(), CONFIG) == ("http://10.0.0.7:8000", "both")
+    assert target(pod(), CONFIG) == ReplicaConfig(url="http://10.0.0.7:8000")
     assert target(pod(ready="False"), CONFIG) is None
     assert target(pod(ip=None), CONFIG) is None
     assert target(pod(deletionTimestamp="2026-12-07T10:00:00Z"), CONFIG) is None  # Ready still True then
     assert target({"metadata": {"name": "p"}, "status": {"podIP": "10.0.0.7"}}, CONFIG) is None  # no conditions
-    assert target(pod(ip="fd00::7"), CONFIG) == ("http://[fd00::7]:8000", "both")
-    assert target(pod(labels={"llm-d.ai/role": "prefill"}), CONFIG)[1] == "prefill"
-    assert target(pod(labels={"llm-d.ai/role": "encode"}), CONFIG)[1] == "both"  # unknown: serves whole
+    assert target(pod(ip="fd00::7"), CONFIG).url == "http://[fd00::7]:8000"
+    assert target(pod(labels={"llm-d.ai/role": "prefill"}), CONFIG).role == "prefill"
+    assert target(pod(labels={"llm-d.ai/role": "encode"}), CONFIG).role == "both"  # unknown: serves whole
+
+
+def test_a_pods_annotations_give_its_data_parallel_ranks_and_kv_event_ports(caplog):
+    notes = {DP_SIZE_ANNOTATION: "4", KV_EVENTS_PORT_ANNOTATION: "5557", KV_EVENTS_REPLAY_PORT_ANNOTATION: "5600"}
+    rc = target(pod(annotations=notes), CONFIG)
+    assert (rc.data_parallel_size, rc.kv_events, rc.kv_events_replay) == (4, "tcp://10.0.0.7:5557", "tcp://10.0.0.7:5600")
+    assert target(pod(ip="fd00::7", annotations=notes), CONFIG).kv_events == "tcp://[fd00::7]:5557"
+    for bad in ("0", "-1", "four", "4.0", "²", str(MAX_DATA_PARALLEL_SIZE + 1), ""):
+        with caplog.at_level(logging.WARNING):
+            rc = target(pod(name=f"bad{bad}", annotations={DP_SIZE_ANNOTATION: bad}), CONFIG)
+        assert rc.data_parallel_size == 1  # served as one replica, vLLM balancing its ranks
+        assert DP_SIZE_ANNOTATION in caplog.text
+        caplog.clear()
+    rc = target(pod(annotations={KV_EVENTS_PORT_ANNOTATION: "70000", KV_EVENTS_REPLAY_PORT_ANNOTATION: "5600"}), CONFIG)
+    assert rc.kv_events is None and rc.kv_events_replay is None  # found through /kv_event_sources then
 
 
 def test_the_namespace_is_the_configured_one_else_the_kubeconfigs_else_default(monkeypatch, tmp_path):
@@ -56,15 +73,16 @@ def test_the_namespace_is_the_configured_one_else_the_kubeconfigs_else_default(m
 
 @pytest.fixture
 async def cluster(aiohttp_server, aiohttp_client, tmp_path):
-    """``await cluster(n)``: (the fake API, the gateway's client, the pods' IPs): n simulated replicas,
-    one a loopback address each (127.0.0.2 ...) on one port, as pods share their container port."""
+    """``await cluster(n)``: (the fake API, the gateway's client, the pods' host:port): n simulated
+    replicas (each of ``ranks`` data-parallel engines), one a loopback address each (127.0.0.2 ...)
+    on one port, as pods share their container port."""
 
-    async def start(n: int = 3, *, gone_as_http: bool = False):
+    async def start(n: int = 3, *, gone_as_http: bool = False, ranks: int = 1):
         port = free_port()
         ips = [f"127.0.0.{i + 2}" for i in range(n)]
         for ip in ips:
-            sim = create_sim(SimConfig(model=MODEL, num_gpu_blocks=2000, max_model_len=8192, time_scale=1000.0),
-                             ByteTokenizer())
+            sim = create_sim(SimConfig(model=MODEL, num_gpu_blocks=2000, max_model_len=8192, time_scale=1000.0,
+                                       data_parallel_size=ranks), ByteTokenizer())
             await aiohttp_server(sim, host=ip, port=port)
         api = FakeKubeApi()
         api.gone_as_http = gone_as_http
@@ -167,3 +185,25 @@ async def test_an_unreachable_api_keeps_the_pods_known(cluster):
     api.drop_watches()
     await asyncio.sleep(2.5)  # past a resync
     assert await served_by(client) == set(names)
+
+
+async def test_a_pod_annotated_with_data_parallel_ranks_is_a_replica_per_rank(cluster):
+    api, client, names = await cluster(2, ranks=4)
+    gw = client.server.app[GATEWAY]
+    ip = names[1].split(":")[0]
+    api.put("vllm-1", ip, annotations={DP_SIZE_ANNOTATION: "4"})
+    ranks = [f"{names[1]}@{r}" for r in range(4)]
+    for name in ranks:
+        await routable(client, name)  # every rank on the ring within a second
+    assert names[1] not in gw.replicas
+    assert {n for n in await served_by(client, 80) if n.startswith(names[1])} == set(ranks)
+    api.put("vllm-1", ip, annotations={DP_SIZE_ANNOTATION: "2"})  # restarted with fewer ranks
+    for name in ranks[2:]:
+        await gone(client, name)
+    assert all(gw.replicas[n].routable for n in ranks[:2])
+    api.put("vllm-1", ip)  # no annotation: one replica, vLLM balancing its ranks
+    await routable(client, names[1])
+    for name in ranks[:2]:
+        await gone(client, name)
+    api.delete("vllm-1")
+    await gone(client, names[1])

@@ -145,7 +145,7 @@ async def test_a_stream_is_started_for_each_publishing_replica_and_stopped_when_
     servers = await fleet(2, kv_events=EVENTS)
     gw = gateway([url_of(s) for s in servers], scrape={"interval_s": 0.05})
     for replica in gw.replicas.values():
-        await scrape_once(gw.http, replica, 2.0)  # its models: only a replica serving something is asked
+        await scrape_once(gw.http, [replica], 2.0)  # its models: only a replica serving something is asked
     task = asyncio.create_task(follow_events(gw))
     try:
         await until(lambda: all(r.stream is not None and r.stream.fresh for r in gw.replicas.values()))

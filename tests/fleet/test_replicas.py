@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from prefix_router.cache.blocks import BlockHash
@@ -162,9 +164,9 @@ async def test_a_scrape_reads_the_models_only_once_their_interval_has_passed(aio
     replica = ReplicaState(ReplicaConfig(url=str(server.make_url("")).rstrip("/")), "r")
     async with aiohttp.ClientSession() as http:
         for _ in range(3):
-            assert await scrape_once(http, replica, 2.0, models_interval_s=3600.0)
+            assert await scrape_once(http, [replica], 2.0, models_interval_s=3600.0)
         assert replica.models == ["m"] and len(reads) == 1  # the first scrape reads them, the next two not
-        assert await scrape_once(http, replica, 2.0, models_interval_s=0.0)
+        assert await scrape_once(http, [replica], 2.0, models_interval_s=0.0)
         assert len(reads) == 2
 
 
@@ -266,3 +268,38 @@ async def test_a_failed_health_check_counts_as_it_answers_not_at_the_end_of_the_
         assert replicas[0].failures == 1 and replicas[-1].failures == 0  # the first group's, counted already
         await task
     assert all(r.failures == 1 for r in replicas)
+
+
+async def test_a_servers_ranks_share_one_health_check_and_one_scrape_a_round(aiohttp_server):
+    import collections
+
+    import aiohttp
+    from aiohttp import web
+
+    from prefix_router.fleet.replicas import check_all, poll_metrics, servers
+
+    hits = collections.Counter()
+
+    async def answer(request):
+        hits[request.path] += 1
+        if request.path == "/metrics":
+            return web.Response(text="".join(f'vllm:num_requests_waiting{{engine="{r}",model_name="m"}} {r}\n'
+                                             f'vllm:num_requests_running{{engine="{r}",model_name="m"}} 0\n' for r in range(4)))
+        return web.json_response({"data": [{"id": "m"}]}) if request.path == "/v1/models" else web.Response()
+
+    app = web.Application()
+    app.router.add_get("/{path:.*}", answer)
+    server = await aiohttp_server(app)
+    rc = ReplicaConfig(url=str(server.make_url("")).rstrip("/"), data_parallel_size=4)
+    ranks = [ReplicaState(rc, f"r@{r}", rank=r) for r in range(4)]
+    other = ReplicaState(ReplicaConfig(url="http://127.0.0.1:9"), "gone")
+    assert servers([ranks[0], other, *ranks[1:]]) == [ranks, [other]]
+    async with aiohttp.ClientSession() as http:
+        await check_all(http, ranks, HEALTH)
+        assert hits["/health"] == 1 and all(r.healthy for r in ranks)
+        task = asyncio.ensure_future(poll_metrics(http, {r.name: r for r in ranks}, 0.05))
+        await asyncio.sleep(0.08)  # one round
+        task.cancel()
+    assert hits["/metrics"] == 1 and hits["/v1/models"] == 1
+    assert [r.waiting for r in ranks] == [0, 1, 2, 3]  # each its own engine's series
+    assert all(r.models == ["m"] for r in ranks)

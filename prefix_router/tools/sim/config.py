@@ -60,6 +60,10 @@ class SimConfig:
     # "kv_consumer" | "kv_both"} for a replica of a disaggregated fleet; None: no connector
     # (prefix_router/tools/sim/kv_transfer.py)
     kv_transfer: dict | None = None
+    # vLLM's --data-parallel-size: engines behind one server, each its own KV cache, scheduler and
+    # event publisher (ports offset by its rank); a request's X-data-parallel-rank picks one, else
+    # vLLM's balancer does (prefix_router/tools/sim/server.py)
+    data_parallel_size: int = 1
 
     def validate(self) -> SimConfig:
         """Return self, or raise ValueError naming the first field out of range."""
@@ -71,6 +75,7 @@ class SimConfig:
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "time_scale": self.time_scale,
             "default_max_tokens": self.default_max_tokens,
+            "data_parallel_size": self.data_parallel_size,
         }
         for name, value in positive.items():
             if not value > 0:

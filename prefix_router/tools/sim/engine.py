@@ -33,10 +33,14 @@ YIELD_EVERY_S = 0.002
 class Engine:
     """One replica's engine: ``submit`` requests, ``run`` the loop as a task, ``abort`` on disconnect."""
 
-    def __init__(self, config: SimConfig, *, vocab_size: int, metrics_registry=None) -> None:
+    def __init__(self, config: SimConfig, *, vocab_size: int, metrics_registry=None, first: Engine | None = None) -> None:
+        """``first``: the first engine of a server of data-parallel ranks, whose ``/metrics``
+        registry this one shares (``EngineMetrics``); its rank is the next."""
         self.config = config
         self.scheduler = Scheduler(config, vocab_size=vocab_size)
-        self.metrics = EngineMetrics(config, self.scheduler, metrics_registry)
+        self.metrics = EngineMetrics(config, self.scheduler, metrics_registry,
+                                     first=None if first is None else first.metrics)
+        self.rank = self.metrics.rank
         self._loop = asyncio.get_running_loop()
         self._wall_origin = self._loop.time()
         self._clock_s = 0.0  # modelled time at the end of the last step

@@ -1,7 +1,8 @@
 """The simulated replica's ``/metrics``, with vLLM's metric names, labels and buckets.
 
 Names, help texts and histogram buckets follow vLLM 0.32 (``vllm/v1/metrics/loggers.py``,
-checked against a running CPU replica): labels ``model_name`` and ``engine`` ("0"),
+checked against a running CPU replica): labels ``model_name`` and ``engine`` (the engine's
+data-parallel rank, "0" without data parallelism),
 ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` in tokens, and
 ``vllm:cache_config_info`` as an info gauge whose labels carry ``block_size`` and
 ``num_gpu_blocks``. Gauges and counters are read from the scheduler when scraped (nothing is
@@ -24,65 +25,81 @@ LABELS = ("model_name", "engine")
 
 
 class _StateCollector(Collector):
-    def __init__(self, config: SimConfig, scheduler: Scheduler, metrics: EngineMetrics) -> None:
+    """Each engine's gauges and counters, read from its scheduler at every scrape."""
+
+    def __init__(self, config: SimConfig) -> None:
         self.config = config
-        self.scheduler = scheduler
-        self.metrics = metrics
-        self.labels = [config.model, "0"]
+        self.engines: list[tuple[str, Scheduler, EngineMetrics]] = []  # (its engine label, ...)
 
     def collect(self):
-        s, kv, labels = self.scheduler, self.scheduler.kv, self.labels
+        model, engines = self.config.model, self.engines
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=LABELS)
-            family.add_metric(labels, value)
-            return family
+        def family(kind, name: str, doc: str, read, extra: tuple = ()):
+            out = kind(name, doc, labels=(*LABELS, *extra))
+            for rank, scheduler, metrics in engines:
+                for more, value in read(scheduler, metrics):
+                    out.add_metric([model, rank, *more], value)
+            return out
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=LABELS)
-            family.add_metric(labels, value)
-            return family
+        def one(read):
+            return lambda s, m: [((), read(s))]
 
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", len(s.running))
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(s.waiting))
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv.usage)
-        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", kv.num_queries)
-        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", kv.num_hits)
-        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions)
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.num_prompt_tokens)
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.num_generation_tokens)
-        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
-                                      labels=(*LABELS, "finished_reason"))
-        for reason, count in sorted(self.metrics.finished.items()):
-            success.add_metric([*labels, reason], count)
-        yield success
+        yield family(GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in model execution batches.",
+                     one(lambda s: len(s.running)))
+        yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                     one(lambda s: len(s.waiting)))
+        yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                     one(lambda s: s.kv.usage))
+        yield family(CounterMetricFamily, "vllm:prefix_cache_queries",
+                     "Prefix cache queries, in terms of number of queried tokens.", one(lambda s: s.kv.num_queries))
+        yield family(CounterMetricFamily, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                     one(lambda s: s.kv.num_hits))
+        yield family(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                     one(lambda s: s.num_preemptions))
+        yield family(CounterMetricFamily, "vllm:prompt_tokens", "Number of prefill tokens processed.",
+                     one(lambda s: s.num_prompt_tokens))
+        yield family(CounterMetricFamily, "vllm:generation_tokens", "Number of generation tokens processed.",
+                     one(lambda s: s.num_generation_tokens))
+        yield family(CounterMetricFamily, "vllm:request_success", "Count of successfully processed requests.",
+                     lambda s, m: [((reason,), count) for reason, count in sorted(m.finished.items())],
+                     ("finished_reason",))
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=("block_size", "enable_prefix_caching", "engine", "num_gpu_blocks",
                                          "prefix_caching_hash_algo", "simulated"))
-        info.add_metric([str(self.config.block_size), "True", "0", str(self.config.num_gpu_blocks),
-                         "xxhash", "True"], 1.0)
+        for rank, _, _ in engines:
+            info.add_metric([str(self.config.block_size), "True", rank, str(self.config.num_gpu_blocks),
+                             "xxhash", "True"], 1.0)
         yield info
 
 
 class EngineMetrics:
-    """vLLM's engine metrics for one simulated replica, in their own registry.
+    """vLLM's engine metrics for one simulated engine, its series labelled ``engine`` = its
+    data-parallel rank.
 
-    ``registry`` may be passed in (tests use a fresh one); ``on_first_token`` and
-    ``on_finish`` are called by the engine with modelled times already set on the request.
+    The first engine of a server makes the registry (``registry`` may be passed in: tests use a
+    fresh one); each further rank passes ``first``, the first's metrics, and shares its registry,
+    so one ``/metrics`` page shows every engine as vLLM's does (a family once, a series per
+    engine). ``on_first_token`` and ``on_finish`` are called by the engine with modelled times
+    already set on the request.
     """
 
-    def __init__(self, config: SimConfig, scheduler: Scheduler, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+    def __init__(self, config: SimConfig, scheduler: Scheduler, registry: CollectorRegistry | None = None, *,
+                 first: EngineMetrics | None = None) -> None:
+        if first is None:
+            self.registry = registry or CollectorRegistry()
+            self._families = tuple(Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry) for name, doc, buckets in (
+                ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", VLLM_TTFT_BUCKETS),
+                ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", VLLM_LATENCY_BUCKETS),
+                ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                 VLLM_LATENCY_BUCKETS)))
+            self._collector = _StateCollector(config)
+            self.registry.register(self._collector)
+        else:
+            self.registry, self._families, self._collector = first.registry, first._families, first._collector
+        self.rank = len(self._collector.engines)
         self.finished: dict[str, int] = {}
-        labels = [config.model, "0"]
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              LABELS, buckets=VLLM_TTFT_BUCKETS, registry=self.registry).labels(*labels)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             LABELS, buckets=VLLM_LATENCY_BUCKETS, registry=self.registry).labels(*labels)
-        self.queue = Histogram("vllm:request_queue_time_seconds",
-                               "Histogram of time spent in WAITING phase for request.",
-                               LABELS, buckets=VLLM_LATENCY_BUCKETS, registry=self.registry).labels(*labels)
-        self.registry.register(_StateCollector(config, scheduler, self))
+        self.ttft, self.e2e, self.queue = (f.labels(config.model, str(self.rank)) for f in self._families)
+        self._collector.engines.append((str(self.rank), scheduler, self))
 
     def on_first_token(self, request: SimRequest) -> None:
         self.ttft.observe(request.first_token_s - request.arrival_s)

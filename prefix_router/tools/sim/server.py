@@ -3,12 +3,15 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``,
 ``stream_options.include_usage``, ``n`` and ``usage.prompt_tokens_details.cached_tokens``),
 ``POST /v1/responses`` (``store`` and ``previous_response_id`` too), ``GET /v1/models``,
-``GET /health``, ``POST /tokenize``, ``GET /metrics``, ``POST /reset_prefix_cache``, and with a KV
+``GET /health``, ``POST /tokenize``, ``GET /metrics``, ``GET /kv_event_sources``,
+``POST /reset_prefix_cache``, and with a KV
 connector (``--kv-transfer-config``) ``POST /sim/kv_pull``, where a decode replica pulls a prefill
 leg's blocks (``kv_transfer.py``). Response bodies, SSE framing (``data: {...}\\n\\n`` events,
 then ``data: [DONE]``) and error bodies (``{"error": {"message", "type", "param", "code"}}``)
 were copied from a running vLLM CPU replica (``answers.py``). Bad input gets a 400 (unknown model:
-404), never a 5xx; a decode whose prefill replica is gone gets vLLM's 500.
+404), never a 5xx; a decode whose prefill replica is gone gets vLLM's 500. With
+``--data-parallel-size K`` the server runs K engines, each request on the one its
+``X-data-parallel-rank`` names or vLLM's balancer picks (``data_parallel.py``).
 
 One difference by design: when a stream falls behind the engine, the tokens generated since
 its last write go out as one SSE event (vLLM sends one event per engine step). Clients see the
@@ -35,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prefix_router.errors import openai_error
 from prefix_router.prompts.tokenizer import ChatFormatError, PromptTokenizer
 from prefix_router.tools.sim.config import SimConfig
+from prefix_router.tools.sim.data_parallel import Ranks
 from prefix_router.tools.sim.engine import Engine
 from collections import OrderedDict
 
@@ -45,9 +49,10 @@ from prefix_router.tools.sim.requests import (ApiError, CompletionParams, parse_
                                               parse_responses, parse_tokenize)
 from prefix_router.tools.sim.scheduler import SimRequest
 
-__all__ = ["create_app", "ENGINE", "TOKENIZER"]
+__all__ = ["create_app", "ENGINE", "ENGINES", "TOKENIZER"]
 
-ENGINE = web.AppKey("engine", Engine)
+ENGINE = web.AppKey("engine", Engine)  # rank 0's (the only one without data parallelism)
+ENGINES = web.AppKey("engines", Ranks)
 TOKENIZER = web.AppKey("tokenizer", object)
 CONFIG = web.AppKey("config", SimConfig)
 CONNECTOR = web.AppKey("connector", Connector)
@@ -110,13 +115,14 @@ def _check_length(config: SimConfig, params: CompletionParams, num_tokens: int) 
                        param="max_tokens")
 
 
-async def _pulled_tokens(app: web.Application, leg, params: CompletionParams, token_ids: list[int]) -> int:
+async def _pulled_tokens(app: web.Application, engine: Engine, leg, params: CompletionParams,
+                         token_ids: list[int]) -> int:
     """A decode leg's prompt tokens pulled from its prefill replica, after the modelled transfer
     time of those the local cache lacks (0 for any other request). Raises a 500 ApiError when
     the prefill replica cannot be reached, as vLLM does (``kv_load_failure_policy`` "fail")."""
     if leg.consume is None:
         return 0
-    config, connector, engine = app[CONFIG], app[CONNECTOR], app[ENGINE]
+    config, connector = app[CONFIG], app[CONNECTOR]
     hashes: list = []
     extend_block_hashes(hashes, token_ids, config.block_size, seed_hash(params.model, params.cache_salt))
     pulled = await connector.pull(leg.consume, hashes, config.block_size)
@@ -132,10 +138,11 @@ async def _generate(request: web.Request, params: CompletionParams, token_ids: l
                     store: bool = False, history: list | None = None):
     """Run ``params.n`` sequences of ``token_ids`` and answer as the API ``kind`` does."""
     app = request.app
-    engine, tokenizer, config, connector = app[ENGINE], app[TOKENIZER], app[CONFIG], app[CONNECTOR]
+    tokenizer, config, connector = app[TOKENIZER], app[CONFIG], app[CONNECTOR]
     _check_length(config, params, len(token_ids))
+    engine = app[ENGINES].pick(request.headers)
     leg = connector.leg(params.kv_transfer_params, stream=params.stream, max_tokens=params.max_tokens, n=params.n)
-    external = await _pulled_tokens(app, leg, params, token_ids)
+    external = await _pulled_tokens(app, engine, leg, params, token_ids)
     max_tokens = params.max_tokens or config.default_max_tokens
     rid = f"{_PREFIX[kind]}{next(_ids):016x}"
     children = [SimRequest(rid if params.n == 1 else f"{i}_{rid}", token_ids, max_tokens, model=params.model,
@@ -159,7 +166,7 @@ async def _generate(request: web.Request, params: CompletionParams, token_ids: l
                 await wake.event.wait()
                 wake.event.clear()
             texts = ["".join(tokenizer.decode_token(t) for t in c.output_token_ids) for c in children]
-            transfer = _held(request, children[0]) if leg.produce else None
+            transfer = _held(request, engine, children[0]) if leg.produce else None
             remember(texts[0])
             return web.json_response(answer.body(children, texts, transfer))
         response = await _stream(request, children, wake, answer, submitted)
@@ -170,16 +177,16 @@ async def _generate(request: web.Request, params: CompletionParams, token_ids: l
             engine.abort(child)  # no-op once finished; frees blocks if the client went away
 
 
-def _held(request: web.Request, child: SimRequest) -> dict | None:
-    """A finished prefill leg's ``kv_transfer_params``, its blocks held for the decode; None
-    when it did not finish by length (nothing is held)."""
-    scheduler = request.app[ENGINE].scheduler
+def _held(request: web.Request, engine: Engine, child: SimRequest) -> dict | None:
+    """A finished prefill leg's ``kv_transfer_params``, its blocks held for the decode on
+    ``engine``; None when it did not finish by length (nothing is held)."""
+    scheduler = engine.scheduler
     blocks = scheduler.held.get(child.request_id)
     if blocks is None:
         return None
     host, port = request.transport.get_extra_info("sockname")[:2]
     return request.app[CONNECTOR].answer_params(child.request_id, [b.block_id for b in blocks], host, port,
-                                                request.app[ENGINE].now_s(), child.num_prompt_tokens,
+                                                engine.now_s(), child.num_prompt_tokens,
                                                 child.num_cached_tokens or 0)
 
 
@@ -281,9 +288,9 @@ async def kv_pull(request: web.Request) -> web.Response:
     """A decode replica pulls a prefill leg's held blocks (vLLM: a NIXL read): ``{"block_hashes":
     [...]}``, the blocks freed here; 404 when none are held under that id."""
     body = await request.json()
-    scheduler = request.app[ENGINE].scheduler
-    hashes = request.app[CONNECTOR].give(body.get("remote_request_id"), body.get("remote_engine_id"),
-                                         scheduler.release_held)
+    engine = request.app[ENGINES].holding(str(body.get("remote_request_id")))
+    release = engine.scheduler.release_held if engine is not None else (lambda _: None)
+    hashes = request.app[CONNECTOR].give(body.get("remote_request_id"), body.get("remote_engine_id"), release)
     if hashes is None:
         return openai_error(404, "no KV blocks held under that request id", type_="NotFoundError")
     return web.json_response({"block_hashes": hashes})
@@ -314,7 +321,7 @@ async def models(request: web.Request) -> web.Response:
 async def reset_prefix_cache(request: web.Request) -> web.Response:
     """vLLM's dev-mode ``POST /reset_prefix_cache`` (``VLLM_SERVER_DEV_MODE=1`` there, always on
     here): ``{"success": bool}``, false while running requests hold blocks."""
-    return web.json_response({"success": request.app[ENGINE].reset_prefix_cache()})
+    return web.json_response({"success": all([e.reset_prefix_cache() for e in request.app[ENGINES].engines])})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -330,23 +337,37 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def kv_event_sources(request: web.Request) -> web.Response:
     """vLLM's ``GET /kv_event_sources``: the publisher's configuration per data-parallel rank
-    (``{}`` when events are off); endpoints as configured (``tcp://*:5557``), port 0 resolved."""
-    engine = request.app[ENGINE]
-    if engine.publisher is None:
-        return web.json_response({})
-    endpoint, replay = engine.publisher.endpoints
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "buffer_steps": 10_000, "hwm": 100_000,
-              "max_queue_size": 100_000, "topic": "", **(request.app[CONFIG].kv_events or {}),
-              "endpoint": endpoint, "replay_endpoint": replay}
-    return web.json_response({"0": config})
+    (``{}`` when events are off); endpoints as configured (``tcp://*:5557``) with each rank's port
+    offset by its rank, port 0 resolved."""
+    out = {}
+    for engine in request.app[ENGINES].engines:
+        if engine.publisher is None:
+            continue
+        endpoint, replay = engine.publisher.endpoints
+        out[str(engine.rank)] = {"enable_kv_cache_events": True, "publisher": "zmq", "buffer_steps": 10_000,
+                                 "hwm": 100_000, "max_queue_size": 100_000, "topic": "",
+                                 **(request.app[CONFIG].kv_events or {}), "endpoint": endpoint,
+                                 "replay_endpoint": replay}
+    return web.json_response(out)
 
 
-async def _expire_leases(engine: Engine, connector: Connector) -> None:
+async def _expire_leases(ranks: Ranks, connector: Connector) -> None:
     """Free the blocks of prefill legs no decode pulled within the lease (vLLM frees them too)."""
     while True:
         await asyncio.sleep(0.25)
-        for request_id in connector.expired(engine.now_s()):
-            engine.scheduler.release_held(request_id)
+        for request_id in connector.expired(ranks.engines[0].now_s()):
+            engine = ranks.holding(request_id)
+            if engine is not None:
+                engine.scheduler.release_held(request_id)
+
+
+def _offset(endpoint: str | None, rank: int) -> str | None:
+    """A bind address with ``rank`` added to its TCP port, as vLLM's ``offset_endpoint_port``
+    (``vllm/distributed/kv_events.py``) gives each rank its own; port 0 stays 0."""
+    if not endpoint or not rank or not endpoint.startswith("tcp://"):
+        return endpoint
+    head, _, port = endpoint.rpartition(":")
+    return f"{head}:{int(port) + rank}" if port.isdigit() and int(port) else endpoint
 
 
 def create_app(config: SimConfig, tokenizer: PromptTokenizer) -> web.Application:
@@ -368,21 +389,26 @@ def create_app(config: SimConfig, tokenizer: PromptTokenizer) -> web.Application
     app[STORED] = OrderedDict()
 
     async def engine_ctx(app: web.Application):
-        engine = Engine(config, vocab_size=min(tokenizer.vocab_size, 1 << 31))
-        app[ENGINE] = engine
-        tasks = [asyncio.create_task(engine.run())]
+        vocab = min(tokenizer.vocab_size, 1 << 31)
+        engines = [Engine(config, vocab_size=vocab)]
+        engines += [Engine(config, vocab_size=vocab, first=engines[0]) for _ in range(config.data_parallel_size - 1)]
+        app[ENGINE], app[ENGINES] = engines[0], Ranks(engines)
+        tasks = [asyncio.create_task(engine.run()) for engine in engines]
         events = config.kv_events or {}
         if events.get("enable_kv_cache_events") and events.get("publisher", "zmq") == "zmq":
             from prefix_router.tools.sim.kv_events import EventPublisher  # pyzmq only where events are on
-            engine.publisher = EventPublisher(events.get("endpoint", "tcp://*:5557"), events.get("replay_endpoint"),
-                                              events.get("topic", ""), events.get("buffer_steps", 10_000))
-            engine.scheduler.kv.record_events = True
-            tasks.append(asyncio.create_task(engine.publisher.serve_replay()))
+            for engine in engines:
+                engine.publisher = EventPublisher(_offset(events.get("endpoint", "tcp://*:5557"), engine.rank),
+                                                  _offset(events.get("replay_endpoint"), engine.rank),
+                                                  events.get("topic", ""), events.get("buffer_steps", 10_000),
+                                                  data_parallel_rank=engine.rank)
+                engine.scheduler.kv.record_events = True
+                tasks.append(asyncio.create_task(engine.publisher.serve_replay()))
         connector = app[CONNECTOR]
         if connector.role is not None:
-            engine.metrics.registry.register(ConnectorMetrics(connector))
+            engines[0].metrics.registry.register(ConnectorMetrics(connector))
             connector.http = aiohttp.ClientSession()
-            tasks.append(asyncio.create_task(_expire_leases(engine, connector)))
+            tasks.append(asyncio.create_task(_expire_leases(app[ENGINES], connector)))
         yield
         for task in tasks:
             task.cancel()
@@ -391,8 +417,9 @@ def create_app(config: SimConfig, tokenizer: PromptTokenizer) -> web.Application
                 await task
             except asyncio.CancelledError:
                 pass
-        if engine.publisher is not None:
-            engine.publisher.close()
+        for engine in engines:
+            if engine.publisher is not None:
+                engine.publisher.close()
         if connector.http is not None:
             await connector.http.close()
 
