@@ -49,6 +49,7 @@ class GatewayMetrics:
         self._per_replica = (  # (metric, its label names): what forget_replica clears
             (self.requests, ("replica", "route", "code")), (self.cache_requests, ("replica", "result")),
             (self.prompt_tokens, ("replica",)), (self.cached_predicted, ("replica",)), (self.cached, ("replica",)),
+            (self.cached_predicted_offload, ("replica", "medium")),
             (self.lost_tokens, ("replica", "cause")), (self.spillovers, ("from_replica", "to_replica")),
             (self.decode_requests, ("replica", "transfer")),
             (self.queue_depth, ("replica",)), (self.inflight, ("replica",)), (self.healthy, ("replica",)),
@@ -71,6 +72,10 @@ class GatewayMetrics:
                                         ("replica",), registry=r)
         self.cached = Counter("prefix_router_cached_tokens", "Cached prompt tokens the engine reported.",
                               ("replica",), registry=r)
+        self.cached_predicted_offload = Counter(
+            "prefix_router_cached_tokens_predicted_offload",
+            "Of the predicted cached prompt tokens, those the replica loads from its offload tier (CPU, STORAGE).",
+            ("replica", "medium"), registry=r)
         self.lost_tokens = Counter("prefix_router_lost_tokens",
                                    "Prompt tokens recomputed that could have been reused, by cause.",
                                    ("replica", "cause"), registry=r)
@@ -172,7 +177,8 @@ class GatewayMetrics:
 
 METRIC_NAMES = (
     "prefix_router_requests_total", "prefix_router_cache_requests_total", "prefix_router_prompt_tokens_total",
-    "prefix_router_cached_tokens_predicted_total", "prefix_router_cached_tokens_total",
+    "prefix_router_cached_tokens_predicted_total", "prefix_router_cached_tokens_predicted_offload_total",
+    "prefix_router_cached_tokens_total",
     "prefix_router_lost_tokens_total", "prefix_router_changed_total", "prefix_router_changed_lost_tokens_total",
     "prefix_router_spillovers_total", "prefix_router_decode_requests_total", "prefix_router_replica_queue_depth",
     "prefix_router_replica_inflight", "prefix_router_replica_healthy", "prefix_router_replica_breaker_state",

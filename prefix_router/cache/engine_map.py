@@ -37,6 +37,9 @@ class EngineMap:
         self._collect_at = 4096  # interned masks past which the unused ones are swept
         self._next_slot = 0
         self._free: list[int] = []  # slots given back, reused lowest first
+        # the fleet's offload tiers, by medium (``tier``): the same slots, the blocks each
+        # replica's engine holds in CPU memory or storage (``cache/offload.py``)
+        self.tiers: dict[str, EngineMap] = {}
 
     def __len__(self) -> int:
         """Distinct blocks stored by any replica."""
@@ -53,6 +56,14 @@ class EngineMap:
             return 1 << self._free.pop(0)
         self._next_slot += 1
         return 1 << (self._next_slot - 1)
+
+    def tier(self, medium: str) -> EngineMap:
+        """The map of offload medium ``medium`` (``CPU``, ``STORAGE``), made on first use; its
+        bits are this map's slots."""
+        found = self.tiers.get(medium)
+        if found is None:
+            found = self.tiers[medium] = EngineMap()
+        return found
 
     def release(self, bit: int, stored: Sequence[BlockHash], pending: Sequence[BlockHash]) -> None:
         """Give ``bit``'s slot back once its view is gone, clearing it from the blocks it holds."""

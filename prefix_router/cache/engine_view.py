@@ -21,6 +21,7 @@ from prefix_router.cache.blocks import BlockHash
 from prefix_router.cache.engine_map import EngineMap
 from prefix_router.cache.ghosts import GhostRing
 from prefix_router.cache.intake import EventIntake
+from prefix_router.cache.offload import OffloadTier
 from prefix_router.cache.u64map import U64Map
 
 __all__ = ["EngineView"]
@@ -30,8 +31,9 @@ class EngineView(EventIntake):
     """What one replica's prefix cache holds, from its events, in the gateway's block hashes.
 
     ``seed(lora_name, cache_salt)`` gives the parent hash of a prompt's first block, as the
-    gateway seeds the requests it hashes (``blocks.seed_hash``). Only blocks on the GPU (medium
-    ``GPU`` or unset) and in KV cache group 0 count: the ones a request's prefill can hit.
+    gateway seeds the requests it hashes (``blocks.seed_hash``). Only blocks in KV cache group 0
+    count; those on the GPU (medium ``GPU`` or unset) are the view's own, the ones a request's
+    prefill hits, and those in CPU memory or storage are its ``offload`` tiers'.
 
     Which gateway blocks the engine stores is a bit of this view's slot (``bit``) in ``holders``,
     the fleet's ``EngineMap`` (a private one when none is given), where the blocks routed here and
@@ -85,6 +87,9 @@ class EngineView(EventIntake):
         self.misshapen = 0  # stored events whose token ids are not their blocks' (null or masked blocks)
         self.foreign_block_size = 0  # stored events in another block size than the gateway's
         self.bad_events = 0  # events of a run that could not be read (a token id out of range)
+        # its blocks in CPU memory and storage, by medium, from the offloading connector's events
+        # (``cache/offload.py``); routing reads them through ``holders.tiers``
+        self.offload: dict[str, OffloadTier] = {}
 
     def __len__(self) -> int:
         return self._held
@@ -179,9 +184,16 @@ class EngineView(EventIntake):
         self._block_extra.clear()
         self._engine_held = self._held = 0
 
+    def _forget_offload(self) -> None:
+        for tier in self.offload.values():
+            tier.clear()
+        self.offload = {}
+
     def clear(self) -> None:
-        """Forget everything (``AllBlocksCleared``, an engine restart, an unrepaired gap)."""
+        """Forget everything (an engine restart, an unrepaired gap; an ``AllBlocksCleared``
+        forgets the GPU's blocks only, as vLLM's ``reset_prefix_cache`` clears only those)."""
         self._forget_stored()
+        self._forget_offload()
         self.holders.unpend(list({*self._inflight, *self._released}), self.bit)
         self.overflowed = False
         self._ghosts = GhostRing(self.max_ghosts)
@@ -193,6 +205,7 @@ class EngineView(EventIntake):
         ``holders`` and its slot is free again. What it stored is forgotten; requests still in
         flight end on a private map, and ``evicted_since`` answers on."""
         self._forget_stored()
+        self._forget_offload()
         pending = list({*self._inflight, *self._released})
         self.holders.release(self.bit, [], pending)
         self.holders = EngineMap()

@@ -84,7 +84,9 @@ class EventBatch:
 # Token ids are hashed as signed 64-bit ints (blocks.extend_block_hashes). Engine hashes, kept one a
 # block, are 32 bytes (sha256), 16 (xxh3_128) or an int (vllm/utils/hashing.py): none longer.
 _Token = Annotated[int, msgspec.Meta(le=(1 << 63) - 1)]
-_Size = Annotated[int, msgspec.Meta(ge=1)]
+# 0 too: vLLM's offloading connector announces a chunk it cannot describe with block size 0 and no
+# tokens (``OffloadingEventsTracker._placeholder_stored``), and the batch around it must still decode
+_Size = Annotated[int, msgspec.Meta(ge=0)]
 _Hash = Annotated[bytes, msgspec.Meta(max_length=64)] | int
 
 

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from prefix_router.cache.blocks import BlockHash
 
-__all__ = ["Index", "Fleet", "match_all"]
+__all__ = ["Index", "Fleet", "match_all", "offload_depths"]
 
 _HOLDERS, _BIT = attrgetter("holders"), attrgetter("bit")
 
@@ -70,4 +70,37 @@ def match_all(hashes: Sequence[BlockHash], indexes: Mapping[str, Index], cap: in
                     bits ^= low
             else:  # many replicas at one depth (a prompt every replica holds): one pass, in C
                 out.update(dict.fromkeys([name for bit, name in names.items() if bit & bits], depth))
+    return out
+
+
+def offload_depths(hashes: Sequence[BlockHash], indexes: Mapping[str, Index], matches: Mapping[str, int],
+                   cap: int, media: Sequence[str]) -> dict[str, list[int]]:
+    """Replica name -> blocks of ``hashes`` past its match (``matches``, its GPU's) that it holds
+    in each offload medium of ``media`` (``cache/offload.py``), in order: a run in the first
+    medium from the match on, then a run in the next from there, to ``cap`` in all. vLLM's
+    offloading connector loads a prompt's continuation past its GPU hit from the tiers
+    (``OffloadingConnectorScheduler.get_num_new_matched_tokens``). Only replicas whose index
+    has offload tiers (``EngineView.offload``) appear. Replicas starting a medium's run at one
+    depth share one walk of the fleet's map of that medium (``EngineMap.tiers``)."""
+    tiered = {n: i for n, i in indexes.items() if getattr(i, "offload", None)}
+    if not tiered:
+        return {}
+    out = {n: [0] * len(media) for n in tiered}
+    start = {n: matches.get(n, 0) for n in tiered}
+    for k, medium in enumerate(media):
+        groups: dict[tuple[int, int], dict[int, str]] = {}  # (its map, start) -> bit -> name
+        maps = {}
+        for name, index in tiered.items():
+            if medium not in index.offload or start[name] >= cap:
+                continue
+            fleet = index.holders.tier(medium)
+            maps[id(fleet)] = fleet
+            groups.setdefault((id(fleet), start[name]), {})[index.bit] = name
+        for (fleet_id, depth), names in groups.items():
+            for bits, run in maps[fleet_id].drops(hashes[depth:cap], sum(names)):
+                while bits:
+                    low = bits & -bits
+                    out[names[low]][k] = run
+                    start[names[low]] += run
+                    bits ^= low
     return out

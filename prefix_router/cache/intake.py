@@ -21,11 +21,16 @@ import xxhash
 from prefix_router.cache.blocks import BlockHash, block_hashes
 from prefix_router.cache.events import (AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event,
                                         read_extra_keys)
+from prefix_router.cache.offload import MEDIA, OffloadTier
 
 __all__ = ["EventIntake", "engine_keys", "runs"]
 
 _U64 = (1 << 64) - 1
 _UNREADABLE = (struct.error, ValueError, TypeError, OverflowError)  # an event's ids or hashes the view cannot hash
+# an offload tier's blocks at most, per block of the view's ``max_blocks`` (twice the GPU's
+# capacity): a CPU tier 16 times a GPU's memory (1.3 TB of host memory behind an 80 GB GPU) fits
+# twice; past it the events are not a real cache's
+OFFLOAD_BLOCKS_PER_BLOCK = 16
 
 
 def engine_keys(hashes: Sequence[EngineHash]) -> list[int]:
@@ -98,17 +103,38 @@ class EventIntake:
                     yield from self.apply_steps(event, slice_blocks)
                 except _UNREADABLE:
                     self.bad_events += 1
-        elif isinstance(run[0], BlockRemoved):
-            keys = engine_keys([h for e in run if self._on_gpu(e) for h in e.block_hashes])
-            self._removed(keys)
-            yield len(keys)
         else:
-            yield self._stored_run(run)
+            offload = [e for e in run if e.medium not in (None, "GPU")]
+            waiting = offload
+            while waiting:  # vLLM announces offloaded blocks in any order, each with its parent
+                later = []
+                for event in waiting:
+                    try:
+                        if not self._offload(event, last=len(waiting) == 1):
+                            later.append(event)
+                    except _UNREADABLE:
+                        self.bad_events += 1
+                if len(later) == len(waiting):  # no parent came: orphans
+                    for event in later:
+                        self._offload(event, last=True)
+                    break
+                waiting = later
+            if offload:
+                run = [e for e in run if e.medium in (None, "GPU")]
+            if isinstance(run[0] if run else offload[0], BlockRemoved):
+                keys = engine_keys([h for e in run if self._on_gpu(e) for h in e.block_hashes])
+                self._removed(keys)
+                yield len(keys) + len(offload)
+            else:
+                yield self._stored_run(run) + len(offload)
 
     def apply_steps(self, event: Event, slice_blocks: int = 1 << 62) -> Iterator[int]:
         """Update the view with one event, yielding the blocks done after every ``slice_blocks``:
         an event loop runs between them (a message at the cap holds ~250,000 blocks)."""
-        if isinstance(event, BlockStored):
+        if isinstance(event, (BlockStored, BlockRemoved)) and event.medium not in (None, "GPU"):
+            self._offload(event)
+            yield len(event.block_hashes)
+        elif isinstance(event, BlockStored):
             yield from self._stored(event, slice_blocks)
         elif isinstance(event, BlockRemoved):
             if not self._on_gpu(event):
@@ -128,6 +154,52 @@ class EventIntake:
             self._released.clear()
             self.holders.pend(still, self.bit)
             self.overflowed = False
+
+    def _offload(self, event: BlockStored | BlockRemoved, last: bool = True) -> bool:
+        """An event of an offload tier (``cache/offload.py``): medium ``CPU`` or ``STORAGE``, KV
+        cache group 0; others are left out. A stored event is hashed from its tokens under its
+        parent, found in this tier, on the GPU or in another tier (vLLM names a chunk's parent by
+        the engine hash of the block before it, wherever that block is now); one past
+        ``OFFLOAD_BLOCKS_PER_BLOCK`` x ``max_blocks`` blocks makes the view ``overflowed``. False
+        (nothing done) for a stored event whose parent is not known yet, unless ``last``: then it
+        is an orphan. True otherwise."""
+        if event.medium not in MEDIA or event.group_idx not in (None, 0):
+            return True
+        tier = self.offload.get(event.medium)
+        if tier is None:
+            tier = self.offload[event.medium] = OffloadTier(self.holders.tier(event.medium), self.bit)
+        if isinstance(event, BlockRemoved):
+            tier.remove(engine_keys(event.block_hashes))
+            return True
+        if event.block_size != self.block_size or len(event.token_ids) != len(event.block_hashes) * event.block_size:
+            tier.opaque += len(event.block_hashes)  # a placeholder (no self-describing events), or not our blocks
+            return True
+        if event.extra_keys is not None:
+            read_extra_keys(event)
+        if event.opaque:
+            tier.opaque += len(event.block_hashes)
+            return True
+        if event.parent_block_hash is None:
+            seed = self.seed(event.lora_name, event.cache_salt)
+        else:
+            seed = self._parent_name(engine_keys([event.parent_block_hash])[0])
+            if seed is None:
+                if last:
+                    self.orphans += len(event.block_hashes)
+                return last
+        if tier.held + len(event.block_hashes) > OFFLOAD_BLOCKS_PER_BLOCK * self.max_blocks:
+            self.overflowed = True
+            return True
+        tier.store(engine_keys(event.block_hashes), block_hashes(event.token_ids, self.block_size, seed))
+        return True
+
+    def _parent_name(self, key: int) -> BlockHash | None:
+        """The gateway hash of engine key ``key`` on the GPU or any offload tier, or None."""
+        for names in (self._engine, *self.offload.values()):
+            found, named = names.get([key]) if names is self._engine else names.name_of([key])
+            if found[0]:
+                return named[0]
+        return None
 
     @staticmethod
     def _on_gpu(event: BlockStored | BlockRemoved) -> bool:

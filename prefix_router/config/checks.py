@@ -194,6 +194,8 @@ CHECKS: dict[tuple[type, str], _Check] = {
     (RoutingConfig, "holder_slack"): _NON_NEGATIVE,
     (RoutingConfig, "match_threshold"): _bounded(0, 1),
     (RoutingConfig, "prefill_queue_weight"): _FINITE_NON_NEGATIVE,  # inf x an empty queue would be nan
+    (RoutingConfig, "cpu_hit_weight"): _bounded(0, 1),
+    (RoutingConfig, "storage_hit_weight"): _bounded(0, 1),
     (RoutingConfig, "session_header"): _non_empty,
     (IndexConfig, "max_blocks_per_replica"): _POSITIVE,
     (IndexConfig, "max_branch_blocks"): _POSITIVE,

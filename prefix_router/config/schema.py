@@ -106,6 +106,11 @@ class RoutingConfig:
     # replicas). Blocks are the gateway's, the queue this instance's own requests. 0 turns it
     # off (docs/routing-rule.md, step 5)
     prefill_queue_weight: float = 0.1
+    # what a prompt block held in a replica's CPU memory or storage tier is worth against one in
+    # its GPU memory (vLLM's OffloadingConnector loads it instead of computing it; KV events with
+    # self_describing_kv_events: prefix_router/cache/offload.py). 0 ignores the tier
+    cpu_hit_weight: float = 0.75
+    storage_hit_weight: float = 0.25
     # this gateway is the only router in front of these replicas (one instance, workers 1): a
     # prompt nobody holds any of is new work too, placed by this instance's picture (least
     # prompt queued for prefill, then load, then blocks), not by the ring. Several instances, or
@@ -129,10 +134,8 @@ class DisaggregationConfig:
     """Prefill/decode disaggregation (prefix_router/serve/disagg.py): in effect when replicas
     have ``role: prefill``."""
 
-    # the KV connector the replicas run: nixl (vLLM's NixlConnector, the prefill leg first and
-    # its kv_transfer_params handed to the decode leg) is the one this gateway speaks; vLLM's
-    # MooncakeConnector wants both legs at once, a transfer_id the router makes and each prefill
-    # replica's bootstrap address, not spoken yet
+    # the KV connector the replicas run: nixl (vLLM's NixlConnector, the prefill leg first, its
+    # kv_transfer_params handed to the decode leg); vLLM's MooncakeConnector is not spoken yet
     connector: str = "nixl"
     # send a request whole to its decode replica when that replica lacks fewer than this many
     # of its prompt's tokens, as it would compute them faster than a transfer round trip
@@ -183,9 +186,8 @@ class ScrapeConfig:
     # seconds between reads of each replica's /v1/models (its served names and LoRA adapters),
     # at a scrape; a request naming a model no replica lists reads them all at once
     models_interval_s: float = 10.0
-    # seconds between scrapes of a replica that was idle at its last one (an empty engine, and
-    # nothing sent since), where this gateway is the only router (routing.sole_router): nothing
-    # else loads it, and its first request is counted here the moment it is sent
+    # seconds between scrapes of a replica idle at its last one (an empty engine, nothing sent
+    # since) where this gateway is the only router (routing.sole_router): nothing else loads it
     idle_interval_s: float = 10.0
 
 
@@ -200,10 +202,9 @@ class UpstreamConfig:
     # client; 2 rides out one dead and one restarting replica
     max_retries: int = 2
     max_connections: int = 0  # 0: unlimited, one shared pool; vLLM queues requests itself
-    # streaming requests: seconds to the replica's response headers, which vLLM's server sends
-    # before the request is even queued; a replica that accepts the connection but never
-    # answers is given up on after this (and the request retried). Non-streaming answers come
-    # with their headers only when complete, so they wait read_timeout_s.
+    # streaming requests: seconds to the replica's response headers, which vLLM sends before the
+    # request is queued: a replica that never answers is given up on (and the request retried).
+    # Non-streaming answers send headers only when complete, so they wait read_timeout_s
     header_timeout_s: float = 30.0
 
 
@@ -225,9 +226,8 @@ class AdmissionConfig:
     """The gateway's admission queue for when every replica is saturated (prefix_router/fleet/admission.py)."""
 
     # a replica is saturated at this load (queue depth + requests sent since the last scrape)
-    # when its engine reported a queue at all; 0: never, every request goes straight to a
-    # replica and queues there. A queue this deep means the load bound has already spread the
-    # load, and more waiting at a replica only grows its TTFT
+    # when its engine reported a queue at all; 0: never. A queue this deep means the load bound
+    # has spread the load already, and more waiting at a replica only grows its TTFT
     saturated_depth: int = 32
     # requests waiting at the gateway at most; more get 429 at once
     max_queue: int = 1024

@@ -5,7 +5,8 @@ gateway decided and what the engine reported, never prompt text: ``t`` (Unix sec
 ``replica``, ``route`` (affinity, sticky, balance, spill, fallback, retry: ``policy.Route``),
 ``status``, ``prompt_tokens``, ``cached_tokens`` (the engine's
 ``prompt_tokens_details.cached_tokens``),
-``predicted_cached_tokens`` (what the gateway believed the replica held),
+``predicted_cached_tokens`` (what the gateway believed the replica held), ``predicted_offload_tokens``
+(of those, what it loads from a CPU or storage tier, by medium; only where some are),
 ``evicted_in_flight_tokens`` (of those, the ones the replica's KV events showed evicted while the
 request waited: they were held when it was routed, and the engine recomputed them), ``result`` (hit or a
 miss kind, see ``misses/classify.py``), ``lost_tokens``, ``cause``, ``diverged_message`` and

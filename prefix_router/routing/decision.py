@@ -50,6 +50,9 @@ class Decision:
     key: str = ""  # the ring key
     spilled_from: str | None = None  # the replica preferred without the bound, when the route is spill
     matches: dict[str, int] = field(default_factory=dict)
+    # of predicted_blocks, those past the GPU's in each offload medium (cache/offload.py MEDIA:
+    # CPU memory, storage); empty where the replica reports no offload tier
+    offload: tuple[int, ...] = ()
 
 
 def routing_key(branches: BranchStats, max_key_blocks: int, hashes: Sequence[BlockHash], full_hash: int,

@@ -5,7 +5,9 @@ behind each step and default are in ``docs/routing-rule.md``.
 
 1. Match: for each routable replica, how many of the request's leading blocks it holds
    (``ShadowIndex.match`` or the engine's ``EngineView.match``), capped at the blocks the engine
-   can hit.
+   can hit; where engines offload blocks to CPU memory or storage, also those it holds there
+   past its GPU's, each worth its medium's weight of a GPU block in the steps below
+   (``_offload_value``).
 2. Bound: a replica may take the request while its load after taking it is at most
    ``ceil(max(load_factor x mean, mean + load_slack))``, the mean counting the new request
    (``prefix_router/routing/bounds.py``; consistent hashing with bounded loads, Mirrokni et al.,
@@ -60,11 +62,11 @@ counts it. Every policy follows ``Policy``; the baselines are in ``baselines.py`
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
 from operator import attrgetter
 
 from prefix_router.cache.blocks import BlockHash
-from prefix_router.cache.holders import match_all
+from prefix_router.cache.holders import match_all, offload_depths
+from prefix_router.cache.offload import MEDIA
 from prefix_router.routing.bounds import SHARE_TOLERANCE, Bounds, ReplicaView, within_bound
 from prefix_router.config import RoutingConfig
 from prefix_router.routing.prefix_stats import BranchStats, PrefixDemand
@@ -108,18 +110,23 @@ class PrefixAffinityPolicy:
         cap = len(hashes) if max_hit_blocks is None else max_hit_blocks
         depth, key = routing_key(self.branches, self.config.max_key_blocks, hashes, full_hash, session_key)
         order = [n for n in self.ring.candidates(key) if n in replicas] or sorted(replicas)
-        matches = match_all(hashes, dict(zip(replicas, map(_SHADOW, replicas.values()))), cap)
+        indexes = dict(zip(replicas, map(_SHADOW, replicas.values())))
+        held = match_all(hashes, indexes, cap)
+        matches, offload = self._offload_value(hashes, indexes, held, cap)
         bounds = Bounds.of(self.config, replicas)
         owner = order[0]
-        choose = self._chooser(matches, replicas, hashes, depth)
+        choose = self._chooser(matches, held, replicas, hashes, depth)
         preferred = choose(order)
         fitting = bounds.fitting(order, replicas, owner)
         if not fitting:  # the share bound turned away everyone within the in-flight bound
             fitting = [r for r in order if within_bound(replicas[r].load, bounds.load)]
         best = max(map(matches.__getitem__, order))  # the ring's replicas: a routable one off it still
         top = preferred if matches[preferred] == best else next(r for r in order if matches[r] == best)
-        decide = partial(Decision, best_blocks=best, best_replica=top, key_depth=depth, key=key,
-                         matches=matches)
+
+        def decide(replica: str, route: Route, **more) -> Decision:
+            more.pop("predicted_blocks", None)  # the blocks it holds, not their value
+            return Decision(replica, route, predicted_blocks=held[replica], best_blocks=held[top], best_replica=top,
+                            key_depth=depth, key=key, matches=held, offload=tuple(offload.get(replica, ())), **more)
         if fitting and self._is_new_work(first_turn, best, depth, cap):
             # mostly new work: what a replica holds of it is worth less than where its later
             # turns will stay and how soon its prefill starts: the least prompt queued for
@@ -133,7 +140,7 @@ class PrefixAffinityPolicy:
             taken = set(fitting)
             leave = {r for r in order if matches[r] > most and r not in taken
                      and bounds.fits(replicas[r], r == owner, holder=True)
-                     and self._holds_cold_prefix(r, hashes, matches)}
+                     and self._holds_cold_prefix(r, hashes, held)}
             if leave:
                 fitting = [r for r in order if r in taken or r in leave]
         if fitting:
@@ -150,7 +157,24 @@ class PrefixAffinityPolicy:
         route = Route.STICKY if matches[replica] > matches[owner] else Route.BALANCE
         return decide(replica, route, predicted_blocks=matches[replica])
 
-    def _chooser(self, matches: Mapping[str, int], replicas: Mapping[str, ReplicaView],
+    def _offload_value(self, hashes: Sequence[BlockHash], indexes: Mapping, held: dict[str, int],
+                       cap: int) -> tuple[Mapping[str, float], dict[str, list[int]]]:
+        """(each replica's value of the prompt, the blocks it holds in each offload medium past its
+        GPU's): where replicas hold parts of the prompt in CPU memory or storage
+        (``holders.offload_depths``), a block there is worth its medium's weight
+        (``routing.cpu_hit_weight``, ``storage_hit_weight``) of one on the GPU, and ``held`` counts
+        it as held. Without offload tiers the value is ``held``."""
+        weights = (self.config.cpu_hit_weight, self.config.storage_hit_weight)
+        offload = offload_depths(hashes, indexes, held, cap, MEDIA) if any(weights) else {}
+        if not offload:
+            return held, offload
+        value = dict(held)
+        for name, runs in offload.items():
+            value[name] = held[name] + sum(w * n for w, n in zip(weights, runs))
+            held[name] += sum(runs)
+        return value, offload
+
+    def _chooser(self, matches: Mapping[str, float], held: Mapping[str, int], replicas: Mapping[str, ReplicaView],
                  hashes: Sequence[BlockHash], depth: int) -> Callable[[Sequence[str]], str]:
         """Step 4's choice among replicas given in ring order: most blocks held first, not
         counting a shared prefix to replicate (``_replicate_depth``). Replicas holding equal
@@ -160,8 +184,8 @@ class PrefixAffinityPolicy:
         of equals in the order given. Each step is a ``max``, ``min`` or comprehension over the
         list, so a choice among 256 replicas makes no Python call a replica."""
         shared = self.config.sole_router or all(map(_ENGINE, replicas.values()))
-        common = self._replicate_depth(hashes, matches, depth) if shared else 0
-        worth = {r: m if m > common else 0 for r, m in matches.items()} if common else matches
+        common = self._replicate_depth(hashes, held, depth) if shared else 0
+        worth = {r: m if held[r] > common else 0 for r, m in matches.items()} if common else matches
 
         def choose(candidates: Sequence[str]) -> str:
             most = max(map(worth.__getitem__, candidates))

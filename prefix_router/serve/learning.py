@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from prefix_router.cache.offload import MEDIA
 from prefix_router.misses.diagnosis import explain
 from prefix_router.misses.change_sites import redacted_excerpt
 from prefix_router.misses.classify import CacheResult, Conversation, Verdict, classify
@@ -65,6 +66,9 @@ def learn(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome: Outcome) -> 
     m.cached.labels(name).inc(cached_tokens)
     predicted = min(int(decision.predicted_blocks * to_tokens), prompt_tokens)
     m.cached_predicted.labels(name).inc(predicted)
+    offload = {medium: int(n * to_tokens) for medium, n in zip(MEDIA, decision.offload) if n}
+    for medium, tokens in offload.items():
+        m.cached_predicted_offload.labels(name, medium).inc(tokens)
     conversation = info.conversation  # "" for a completion without a session key: see prompts/analysis.py
     previous = gw.conversations.get(conversation) if conversation else None
     verdict = classify(hashes=info.hashes, message_hashes=info.message_hashes, previous=previous,
@@ -86,6 +90,7 @@ def learn(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome: Outcome) -> 
         _log_with_evictions(gw, inbound, info, outcome, cached_blocks, to_tokens,
              replica=name, route=route, status=outcome.status, prompt_tokens=prompt_tokens,
              cached_tokens=cached_tokens, predicted_cached_tokens=predicted,
+             **({"predicted_offload_tokens": offload} if offload else {}),
              result=verdict.result.value, lost_tokens=lost, cause=change.cause.value if change else None,
              diverged_message=change.message_index if change else None,
              diverged_token=int(verdict.diverged_block * to_tokens) if change else None,

@@ -180,8 +180,6 @@ HOSTILE = [
                                 "token_ids": [1.5, 2, 3, 4], "block_size": 4}]]),
     ("token ids past 64 bits", [1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
                                        "token_ids": [1 << 64 - 1, 2, 3, 4], "block_size": 4}]]),
-    ("a block size of zero", [1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-                                     "token_ids": [1, 2, 3, 4], "block_size": 0}]]),
 ]
 
 
@@ -192,6 +190,18 @@ async def test_whatever_a_publisher_sends_is_counted_and_skipped_and_the_stream_
     root, event = _root(130)
     await stream.receive(1, encode(event))
     assert stream.undecodable == 1, case
+    assert stream.fresh and stream.view.match([root]) == 1
+
+
+async def test_a_block_size_of_zero_is_counted_and_the_rest_of_its_batch_applies():
+    # vLLM's offloading connector announces chunks it cannot describe so (no tokens, block size 0)
+    stream = EventStream("replica-0", "tcp://127.0.0.1:1", None, view())
+    root, event = _root(130)
+    zero = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+            "block_size": 0}
+    await stream.receive(0, msgspec.msgpack.encode([1.0, [zero]]))
+    await stream.receive(1, encode(event))
+    assert stream.undecodable == 0 and stream.view.foreign_block_size == 1
     assert stream.fresh and stream.view.match([root]) == 1
 
 
