@@ -53,6 +53,9 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
                    help="run K engines behind this server, as vllm serve --data-parallel-size: each its own "
                         "KV cache and event publisher (ports + rank), chosen by X-data-parallel-rank or by "
                         "vLLM's balancer (default: %(default)s)")
+    p.add_argument("--cpu-offload-blocks", type=int, default=0, metavar="N",
+                   help="keep N blocks in a CPU offload tier past the GPU's, as vLLM's OffloadingConnector "
+                        "does, announced as its self-describing KV events (default: off)")
     p.set_defaults(func=_run_sim)
 
 
@@ -72,7 +75,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         decode_ms_per_token=args.decode_ms_per_token, time_scale=args.time_scale,
         default_max_tokens=args.default_max_tokens, tokenizer=args.tokenizer, seed=args.seed,
         kv_events=args.kv_events_config, kv_transfer=args.kv_transfer_config,
-        data_parallel_size=args.data_parallel_size,
+        data_parallel_size=args.data_parallel_size, cpu_offload_blocks=args.cpu_offload_blocks,
     )
     try:
         app = create_app(config, load_tokenizer(args.tokenizer))

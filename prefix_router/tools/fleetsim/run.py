@@ -177,7 +177,8 @@ def _simulate(requests: Sequence[ReplayRequest], policy: str, fleet: FleetConfig
         step = replica.scheduler.schedule()
         replica.step = step if step.scheduled else None
         if replica.step is not None:
-            push(t + engine.step_seconds(step.num_prefill_tokens, step.num_decode_context_tokens), _STEP, replica.name)
+            duration = engine.step_seconds(step.num_prefill_tokens, step.num_decode_context_tokens, step.num_loaded_tokens)
+            push(t + duration, _STEP, replica.name)
 
     def arrive(i: int, t: float) -> None:
         nonlocal rejected, first_at, last_at, end

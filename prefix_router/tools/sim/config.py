@@ -20,6 +20,9 @@ server defaults:
   an 8B model at low batch on H100 is 6-7 ms).
 - ``kv_read_ns_per_token`` 39: each decode step reads the KV cache of every running sequence,
   131,072 B per token at 3.35 TB/s.
+- ``cpu_load_tokens_per_s`` 300,000: a block loaded back from the CPU offload tier crosses PCIe
+  Gen5 x16 (64 GB/s a direction, about 40 GB/s in practice): 131,072 B a token. The tier is off
+  (``cpu_offload_blocks`` 0) unless configured, as vLLM's offloading connector is.
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ class SimConfig:
     # event publisher (ports offset by its rank); a request's X-data-parallel-rank picks one, else
     # vLLM's balancer does (prefix_router/tools/sim/server.py)
     data_parallel_size: int = 1
+    # vLLM's OffloadingConnector (CPU backend, cpu_bytes_to_use): blocks kept in CPU memory past
+    # the GPU's, evicted least recently used; 0: none (prefix_router/tools/sim/offload.py)
+    cpu_offload_blocks: int = 0
+    cpu_load_tokens_per_s: float = 300_000.0  # tokens loaded back from the CPU tier per second
 
     def validate(self) -> SimConfig:
         """Return self, or raise ValueError naming the first field out of range."""
@@ -76,6 +83,7 @@ class SimConfig:
             "time_scale": self.time_scale,
             "default_max_tokens": self.default_max_tokens,
             "data_parallel_size": self.data_parallel_size,
+            "cpu_load_tokens_per_s": self.cpu_load_tokens_per_s,
         }
         for name, value in positive.items():
             if not value > 0:
@@ -83,18 +91,24 @@ class SimConfig:
         for name in ("decode_ms_per_token", "kv_read_ns_per_token"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.cpu_offload_blocks < 0:
+            raise ValueError(f"cpu_offload_blocks must not be negative, got {self.cpu_offload_blocks}")
         if self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be at least 2, got {self.num_gpu_blocks}")
         return self
 
-    def step_seconds(self, num_prefill_tokens: int, num_decode_context_tokens: int) -> float:
+    def step_seconds(self, num_prefill_tokens: int, num_decode_context_tokens: int, num_loaded_tokens: int = 0) -> float:
         """Modelled duration of one engine step.
 
         ``num_prefill_tokens``: prompt tokens computed in the step (cache hits excluded).
         ``num_decode_context_tokens``: sum of the context lengths of the sequences decoding.
+        ``num_loaded_tokens``: prompt tokens loaded from the CPU offload tier, counted as if the
+        step waited for them (vLLM loads them while other requests run, so the model errs on the
+        side of the loads costing more).
         """
         return (
             self.decode_ms_per_token * 1e-3
             + num_prefill_tokens / self.prefill_tokens_per_s
             + num_decode_context_tokens * self.kv_read_ns_per_token * 1e-9
+            + num_loaded_tokens / self.cpu_load_tokens_per_s
         )

@@ -91,7 +91,8 @@ class Engine:
                 continue
             for request in step.admitted:
                 metrics.on_scheduled(request, start_s)
-            self._clock_s = start_s + config.step_seconds(step.num_prefill_tokens, step.num_decode_context_tokens)
+            self._clock_s = start_s + config.step_seconds(step.num_prefill_tokens, step.num_decode_context_tokens,
+                                                          step.num_loaded_tokens)
             now = self._loop.time()
             delay = self._wall_origin + self._clock_s / config.time_scale - now
             if delay > 0:

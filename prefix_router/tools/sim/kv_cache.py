@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 from prefix_router.cache.blocks import BlockHash, extend_block_hashes, seed_hash
 from prefix_router.tools.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefix_router.tools.sim.offload import CpuTier
 
 __all__ = ["BlockHash", "Block", "KVCache", "seed_hash", "extend_block_hashes"]
 
@@ -89,6 +90,7 @@ class KVCache:
         # KV events as vLLM queues them (``BlockPool.kv_event_queue``), when a publisher is on
         self.record_events = False
         self.events: list = []
+        self.cpu: CpuTier | None = None  # the CPU offload tier (``offload.py``), when configured
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -190,6 +192,9 @@ class KVCache:
                 parent_block_hash=block_hashes[first - 1] if first else None,
                 token_ids=list(token_ids[first * size : num_full * size]), block_size=size, lora_id=None,
                 medium="GPU", lora_name=lora_name, extra_keys=extra if any(extra) else None, group_idx=0))
+        if self.cpu is not None and num_full > first:
+            self.cpu.events = self.events if self.record_events else None
+            self.cpu.store(block_hashes, first, num_full, token_ids, lora_name, cache_salt)
         cached = self.cached
         for i in range(first, num_full):
             block = held[i]

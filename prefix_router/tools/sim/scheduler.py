@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from prefix_router.tools.sim.config import SimConfig
 from prefix_router.tools.sim.kv_cache import Block, BlockHash, KVCache, extend_block_hashes, seed_hash
+from prefix_router.tools.sim.offload import CpuTier
 
 __all__ = ["SimRequest", "Step", "Scheduler"]
 
@@ -109,6 +110,7 @@ class Step:
     num_decode_context_tokens: int = 0  # context length summed over decoding requests
     num_preempted: int = 0
     admitted: list[SimRequest] = field(default_factory=list)  # first admissions (not resumptions)
+    num_loaded_tokens: int = 0  # prompt tokens loaded from the CPU offload tier
 
 
 class Scheduler:
@@ -121,6 +123,8 @@ class Scheduler:
     def __init__(self, config: SimConfig, *, vocab_size: int = 32_000) -> None:
         self.config = config
         self.kv = KVCache(config.num_gpu_blocks, config.block_size)
+        if config.cpu_offload_blocks:
+            self.kv.cpu = CpuTier(config.cpu_offload_blocks, config.block_size)
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.vocab_size = vocab_size
@@ -191,10 +195,17 @@ class Scheduler:
             # pulled tokens past the local hit; the last prompt token is always computed (vLLM
             # recomputes it for its logits: ``_update_waiting_for_remote_kv``)
             external = max(min(request.num_external_tokens, request.num_tokens - 1) - num_hit, 0)
+            loaded = 0
+            if kv.cpu is not None and not external:  # the continuation past the GPU hit, from the CPU tier
+                loaded = kv.cpu.hit(request.block_hashes, len(hit), (request.num_tokens - 1) // cfg.block_size)
+                external = loaded * cfg.block_size
             num_new = min(request.num_tokens - num_hit - external, budget)
             if not kv.allocate(request.blocks, hit, num_hit + external + num_new):
                 break
             self.waiting.popleft()
+            if loaded:
+                step.num_loaded_tokens += external
+                kv.cpu.num_loaded_tokens += external
             if request.num_preemptions == 0:
                 kv.record_query(request.num_tokens, num_hit)
                 request.num_cached_tokens = num_hit + external  # the engine's count; a decode's answer reports its prefill's
