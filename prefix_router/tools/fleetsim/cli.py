@@ -39,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "requests a second within it, instead of the capacity of --replicas")
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks a replica (default: an H100's 28,000)")
+    p.add_argument("--cpu-offload-blocks", type=int, default=0, metavar="N",
+                   help="a CPU offload tier of N blocks a replica, as vLLM's OffloadingConnector keeps (needs --kv-events-delay "
+                        "for this gateway to see it; default: none)")
     p.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between scrapes of a replica's queue")
     p.add_argument("--gateways", type=int, default=1,
                    help="gateway instances in front, each request to the next (default 1)")
@@ -76,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         engine = SimConfig(seed=args.seed)
         if args.num_gpu_blocks is not None:
             engine = replace(engine, num_gpu_blocks=args.num_gpu_blocks).validate()
+        if args.cpu_offload_blocks:
+            engine = replace(engine, cpu_offload_blocks=args.cpu_offload_blocks).validate()
     except (OSError, ValueError) as exc:
         print(f"prefix-router fleetsim: {exc}", file=sys.stderr)
         return 2

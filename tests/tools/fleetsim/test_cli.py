@@ -98,7 +98,7 @@ def test_a_request_log_without_prompts_names_the_setting_that_writes_them(tmp_pa
                                  ["--num-gpu-blocks", "1"], ["--replicas", "1000000"], ["--json", "/nonexistent/out.json"],
                                  ["--target-rate", "5"], ["--slo-ttft-p99", "2", "--target-rate", "-1"],
                                  ["--gateways", "0"], ["--gateways", "33"], ["--kv-events-delay", "-1"],
-                                 ["--kv-events-delay", "nan"], ["--rate-scale", "1e300"],
+                                 ["--kv-events-delay", "nan"], ["--rate-scale", "1e300"], ["--cpu-offload-blocks", "-5"],
                                  ["--slo-ttft-p99", "1", "--target-rate", "5", "--rate-scale", "2"]])
 def test_numbers_out_of_range_are_refused_before_anything_runs(bad, capsys):
     args = ["fleetsim", "--workload", "chat", "--replicas", "2", *bad]
@@ -133,3 +133,14 @@ def test_an_empty_trace_is_refused(tmp_path, capsys):
     trace.write_text("\n\n")
     assert main(["fleetsim", "--trace", str(trace), "--replicas", "2"]) == 2
     assert "no requests" in capsys.readouterr().err
+
+
+def test_a_cpu_offload_tier_is_reused_where_the_gpu_overflows(tmp_path):
+    figures = {}
+    for cpu in ("0", "5000"):  # 300 GPU blocks a replica: the chats overflow them
+        out = tmp_path / f"{cpu}.json"
+        assert main(["fleetsim", "--workload", "chat", "--limit", "200", "--replicas", "2", "--num-gpu-blocks", "300",
+                     "--cpu-offload-blocks", cpu, "--kv-events-delay", "0.05", "--policy", "prefix-router",
+                     "--json", str(out)]) == 0
+        figures[cpu] = json.loads(out.read_text())["prefix-router"]
+    assert figures["5000"]["token_hit_rate"] > figures["0"]["token_hit_rate"]  # loads count as hits, as in vLLM
