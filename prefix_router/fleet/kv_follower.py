@@ -69,6 +69,22 @@ def _offset(endpoint: str | None, rank: int) -> str | None:
     return f"{head}:{int(port) + rank}" if port.isdigit() else endpoint
 
 
+def _by_rank(sources):
+    """``/kv_event_sources`` as a map of rank (a string) to its publisher's configuration: vLLM
+    0.32 answers one (``entrypoints/serve/instrumentator/basic.py``); a list (ranks in order, or
+    each naming its ``data_parallel_rank``), or one under ``"sources"``, is read as one too."""
+    if isinstance(sources, dict) and isinstance(sources.get("sources"), list):
+        sources = sources["sources"]
+    if not isinstance(sources, list):
+        return sources
+    out = {}
+    for i, entry in enumerate(sources):
+        if isinstance(entry, dict):
+            rank = entry.get("data_parallel_rank", entry.get("rank", i))
+            out.setdefault(str(rank), entry)
+    return out
+
+
 async def event_endpoints(gw: Gateway, replica: ReplicaState) -> tuple[str, str | None] | None:
     """(publisher, replay socket) for ``replica``, or None when it publishes no events."""
     if replica.config.kv_events:  # rank 0's; rank r's ports are r higher, as vLLM's publisher offsets them
@@ -80,6 +96,7 @@ async def event_endpoints(gw: Gateway, replica: ReplicaState) -> tuple[str, str 
             sources = await resp.json(content_type=None) if resp.status == 200 else None
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
         sources = None
+    sources = _by_rank(sources)
     if isinstance(sources, dict) and sources:
         rank = str(replica.rank) if replica.rank is not None else "0"  # each rank publishes its own events
         rank0 = sources.get(rank) or (next(iter(sources.values())) if replica.rank is None else None)

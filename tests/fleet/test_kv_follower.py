@@ -57,7 +57,7 @@ async def sources(aiohttp_server):
 
     async def start(answer):
         async def handler(request: web.Request) -> web.Response:
-            return web.json_response(answer) if isinstance(answer, dict) else web.Response(status=answer)
+            return web.json_response(answer) if isinstance(answer, (dict, list)) else web.Response(status=answer)
 
         app = web.Application()
         app.router.add_get("/kv_event_sources", handler)
@@ -90,6 +90,18 @@ async def test_each_data_parallel_rank_follows_its_own_publisher_base_port_plus_
     gw = gateway([{"url": url_of(server), "data_parallel_size": 3}])
     found = [await event_endpoints(gw, r) for r in gw.replicas.values()]
     assert found[1] == (f"tcp://{server.host}:5558", f"tcp://{server.host}:5559") and found[2] is None
+
+
+@pytest.mark.parametrize("shape", ["list", "sources", "named ranks"])
+async def test_sources_given_as_a_list_are_read_by_rank(gateway, sources, shape):
+    ranks = [rank(), rank("tcp://*:5558", "tcp://*:5559")]
+    answer = {"list": ranks, "sources": {"sources": ranks},
+              "named ranks": [{**ranks[1], "data_parallel_rank": 1}, {**ranks[0], "data_parallel_rank": 0}]}[shape]
+    server = await sources(answer)
+    gw = gateway([{"url": url_of(server), "data_parallel_size": 2}])
+    found = [await event_endpoints(gw, r) for r in gw.replicas.values()]
+    assert found == [(f"tcp://{server.host}:5557", f"tcp://{server.host}:5558"),
+                     (f"tcp://{server.host}:5558", f"tcp://{server.host}:5559")]
 
 
 async def test_the_replicas_own_sources_give_rank_zeros_bind_address_on_the_replicas_host(gateway, sources):
