@@ -58,6 +58,7 @@ def _describe_events(r: ReplicaState) -> dict | None:
             "stale_reason": s.stale_reason or None, "batches": s.batches, "events": s.events,
             "last_seq": s.last_seq, "gaps_repaired": s.gaps_repaired, "gaps_lost": s.gaps_lost,
             "restarts": s.restarts, "undecodable": s.undecodable, "blocks": len(s.view),
+            "offload": {m: {"blocks": len(t), "placeholders": t.opaque} for m, t in s.view.offload.items()} or None,
             "orphan_blocks": s.view.orphans, "parity_matches": r.parity_ok, "parity_mismatches": r.parity_mismatch,
             "parity_hint": r.parity_hint or None}
 

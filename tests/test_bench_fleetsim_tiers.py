@@ -13,7 +13,7 @@ from .test_bench_fleetsim_capacity import only_groups
 
 @pytest.fixture
 def small(monkeypatch, tmp_path):
-    variants = {k: v for k, v in command.VARIANTS.items() if k in (command.BASE, "tier-aware (weight 0.75, the default)")}
+    variants = {k: v for k, v in command.VARIANTS.items() if k in (command.BASE, "tier-aware (weight 0.75, Dynamo's)")}
     monkeypatch.setattr(command, "VARIANTS", variants)
     with only_groups(monkeypatch, tmp_path, command) as folder:
         yield folder

@@ -6,8 +6,8 @@ goes mostly elsewhere, so these workloads overflow it) and a CPU tier of 24,000 
 ~48 GB of host memory), loaded back at 300k tokens/s (``tools/sim/config.py``), as vLLM's
 OffloadingConnector keeps one (``tools/sim/offload.py``); every gateway follows each engine's
 events 50 ms late, the tier's too. Rows: this gateway's rule with the tier weighed at
-``routing.cpu_hit_weight`` 0.5, 0.75 (the default, Dynamo's) and 0.9; the same with the tier
-ignored (weight 0: GPU-only routing); engines without a CPU tier; round-robin with it. Each row's
+``routing.cpu_hit_weight`` 0.5, 0.75 (Dynamo's) and 0.9; the same with the tier ignored
+(weight 0, the default: GPU-only routing); engines without a CPU tier; round-robin with it. Each row's
 capacity at the workload's objective (``fleetsim-capacity``'s), its token hit rate there (vLLM's
 ``cached_tokens``: GPU hits and tier loads) and TTFT p99 at the GPU-only row's capacity.
 
@@ -38,14 +38,14 @@ from .fleetsim_capacity import WORKLOADS, _first_guess, _requests, read_cells, r
 GPU_BLOCKS, CPU_BLOCKS, EVENTS_DELAY_S = 3_000, 24_000, 0.05
 # row -> (policy, CPU tier blocks, routing.cpu_hit_weight)
 VARIANTS = {
-    "tier-aware (weight 0.75, the default)": ("prefix-router", CPU_BLOCKS, 0.75),
+    "tier-aware (weight 0.75, Dynamo's)": ("prefix-router", CPU_BLOCKS, 0.75),
     "tier-aware (weight 0.5)": ("prefix-router", CPU_BLOCKS, 0.5),
     "tier-aware (weight 0.9)": ("prefix-router", CPU_BLOCKS, 0.9),
-    "GPU-only routing (weight 0)": ("prefix-router", CPU_BLOCKS, 0.0),
+    "GPU-only routing (weight 0, the default)": ("prefix-router", CPU_BLOCKS, 0.0),
     "no CPU tier": ("prefix-router", 0, 0.75),
     "round-robin": ("round-robin", CPU_BLOCKS, 0.75),
 }
-BASE = "GPU-only routing (weight 0)"
+BASE = "GPU-only routing (weight 0, the default)"
 CELLS = CACHE / "fleetsim-tiers" / "cells.jsonl"
 
 

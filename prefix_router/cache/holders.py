@@ -82,6 +82,8 @@ def offload_depths(hashes: Sequence[BlockHash], indexes: Mapping[str, Index], ma
     (``OffloadingConnectorScheduler.get_num_new_matched_tokens``). Only replicas whose index
     has offload tiers (``EngineView.offload``) appear. Replicas starting a medium's run at one
     depth share one walk of the fleet's map of that medium (``EngineMap.tiers``)."""
+    if not any(getattr(fleet, "tiers", None) for fleet in set(map(_HOLDERS, indexes.values()))):
+        return {}  # no replica ever announced an offloaded block: one pass in C
     tiered = {n: i for n, i in indexes.items() if getattr(i, "offload", None)}
     if not tiered:
         return {}

@@ -105,28 +105,48 @@ class EventIntake:
                     self.bad_events += 1
         else:
             offload = [e for e in run if e.medium not in (None, "GPU")]
-            waiting = offload
-            while waiting:  # vLLM announces offloaded blocks in any order, each with its parent
-                later = []
-                for event in waiting:
-                    try:
-                        if not self._offload(event, last=len(waiting) == 1):
-                            later.append(event)
-                    except _UNREADABLE:
-                        self.bad_events += 1
-                if len(later) == len(waiting):  # no parent came: orphans
-                    for event in later:
-                        self._offload(event, last=True)
-                    break
-                waiting = later
             if offload:
                 run = [e for e in run if e.medium in (None, "GPU")]
-            if isinstance(run[0] if run else offload[0], BlockRemoved):
+            done = 0
+            if run and isinstance(run[0], BlockRemoved):
                 keys = engine_keys([h for e in run if self._on_gpu(e) for h in e.block_hashes])
                 self._removed(keys)
-                yield len(keys) + len(offload)
-            else:
-                yield self._stored_run(run) + len(offload)
+                done = len(keys)
+            elif run:
+                done = self._stored_run(run)  # the GPU's first: an offloaded chunk's parent may be among them
+            self._offload_run(offload)
+            yield done + len(offload)
+
+    def _offload_run(self, events: list[BlockStored | BlockRemoved]) -> None:
+        """A run's offload events: each stored chunk once its parent is known (vLLM announces a
+        tier's chunks in any order, each naming its parent: ``OffloadingEventsTracker``), in one
+        pass, the chunks waiting on a parent indexed by it; those whose parent never comes are
+        orphans."""
+        waiting: dict[int, list[BlockStored]] = {}
+        ready = []
+        for event in events:
+            try:
+                if isinstance(event, BlockStored) and event.parent_block_hash is not None and event.medium in MEDIA:
+                    parent = engine_keys([event.parent_block_hash])[0]
+                    if self._parent_name(parent) is None:
+                        waiting.setdefault(parent, []).append(event)
+                        continue
+                ready.append(event)
+            except _UNREADABLE:
+                self.bad_events += 1
+        while ready:
+            event = ready.pop()
+            try:
+                self._offload(event)
+            except _UNREADABLE:
+                self.bad_events += 1
+                continue
+            if waiting and isinstance(event, BlockStored):
+                for key in engine_keys(event.block_hashes):
+                    ready += waiting.pop(key, ())
+        for orphans in waiting.values():
+            for event in orphans:
+                self._offload(event)  # counted as orphans
 
     def apply_steps(self, event: Event, slice_blocks: int = 1 << 62) -> Iterator[int]:
         """Update the view with one event, yielding the blocks done after every ``slice_blocks``:
@@ -155,43 +175,40 @@ class EventIntake:
             self.holders.pend(still, self.bit)
             self.overflowed = False
 
-    def _offload(self, event: BlockStored | BlockRemoved, last: bool = True) -> bool:
+    def _offload(self, event: BlockStored | BlockRemoved) -> None:
         """An event of an offload tier (``cache/offload.py``): medium ``CPU`` or ``STORAGE``, KV
         cache group 0; others are left out. A stored event is hashed from its tokens under its
         parent, found in this tier, on the GPU or in another tier (vLLM names a chunk's parent by
         the engine hash of the block before it, wherever that block is now); one past
-        ``OFFLOAD_BLOCKS_PER_BLOCK`` x ``max_blocks`` blocks makes the view ``overflowed``. False
-        (nothing done) for a stored event whose parent is not known yet, unless ``last``: then it
-        is an orphan. True otherwise."""
+        ``OFFLOAD_BLOCKS_PER_BLOCK`` x ``max_blocks`` blocks, or engine keys, makes the view
+        ``overflowed``; one whose parent is not known is an orphan."""
         if event.medium not in MEDIA or event.group_idx not in (None, 0):
-            return True
+            return
         tier = self.offload.get(event.medium)
         if tier is None:
             tier = self.offload[event.medium] = OffloadTier(self.holders.tier(event.medium), self.bit)
         if isinstance(event, BlockRemoved):
             tier.remove(engine_keys(event.block_hashes))
-            return True
+            return
         if event.block_size != self.block_size or len(event.token_ids) != len(event.block_hashes) * event.block_size:
             tier.opaque += len(event.block_hashes)  # a placeholder (no self-describing events), or not our blocks
-            return True
+            return
         if event.extra_keys is not None:
             read_extra_keys(event)
         if event.opaque:
             tier.opaque += len(event.block_hashes)
-            return True
+            return
         if event.parent_block_hash is None:
             seed = self.seed(event.lora_name, event.cache_salt)
         else:
             seed = self._parent_name(engine_keys([event.parent_block_hash])[0])
             if seed is None:
-                if last:
-                    self.orphans += len(event.block_hashes)
-                return last
-        if tier.held + len(event.block_hashes) > OFFLOAD_BLOCKS_PER_BLOCK * self.max_blocks:
+                self.orphans += len(event.block_hashes)
+                return
+        if max(tier.held, tier.keys) + len(event.block_hashes) > OFFLOAD_BLOCKS_PER_BLOCK * self.max_blocks:
             self.overflowed = True
-            return True
+            return
         tier.store(engine_keys(event.block_hashes), block_hashes(event.token_ids, self.block_size, seed))
-        return True
 
     def _parent_name(self, key: int) -> BlockHash | None:
         """The gateway hash of engine key ``key`` on the GPU or any offload tier, or None."""

@@ -46,6 +46,7 @@ class OffloadTier:
         self._announced: dict[int, int] = {}  # engine key -> announcements beyond its first
         self._names: dict[BlockHash, int] = {}  # gateway hash -> engine keys naming it beyond one
         self.held = 0  # gateway blocks held
+        self.keys = 0  # engine keys held (more than ``held`` where several name one block)
         self.opaque = 0  # stored blocks announced without tokens (no self-describing events)
 
     def __len__(self) -> int:
@@ -69,6 +70,7 @@ class OffloadTier:
         if not new_keys:
             return
         self._engine.put(new_keys, new_blocks)
+        self.keys += len(new_keys)
         before = self.holders.store(new_blocks, self.bit)
         seen: set[BlockHash] = set()
         for h, held in zip(new_blocks, before):
@@ -101,6 +103,7 @@ class OffloadTier:
             gone.append(h)
         if dropped:
             self._engine.delete(list(dropped))
+            self.keys -= len(dropped)
         if gone:
             self.held -= len(gone)
             self.holders.unstore(gone, self.bit)
@@ -111,4 +114,4 @@ class OffloadTier:
         self._engine.clear()
         self._announced.clear()
         self._names.clear()
-        self.held = 0
+        self.held = self.keys = 0

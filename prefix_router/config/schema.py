@@ -106,11 +106,11 @@ class RoutingConfig:
     # replicas). Blocks are the gateway's, the queue this instance's own requests. 0 turns it
     # off (docs/routing-rule.md, step 5)
     prefill_queue_weight: float = 0.1
-    # what a prompt block held in a replica's CPU memory or storage tier is worth against one in
-    # its GPU memory (vLLM's OffloadingConnector loads it instead of computing it; KV events with
-    # self_describing_kv_events: prefix_router/cache/offload.py). 0 ignores the tier
-    cpu_hit_weight: float = 0.75
-    storage_hit_weight: float = 0.25
+    # a prompt block in a replica's CPU or storage tier (prefix_router/cache/offload.py) against one on its
+    # GPU; both 0: routed by GPU blocks, tier hits still predicted. 0 by default: valued at 0.5-0.9 it cost
+    # coding agents capacity (bench/results/fleetsim-tiers/; Dynamo uses 0.75 and 0.25)
+    cpu_hit_weight: float = 0.0
+    storage_hit_weight: float = 0.0
     # this gateway is the only router in front of these replicas (one instance, workers 1): a
     # prompt nobody holds any of is new work too, placed by this instance's picture (least
     # prompt queued for prefill, then load, then blocks), not by the ring. Several instances, or

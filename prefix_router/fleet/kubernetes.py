@@ -93,12 +93,15 @@ def _number(notes: dict, key: str, high: int, pod: str) -> int | None:
     if value is None:
         return None
     text = str(value).strip()
-    if text.isascii() and text.isdigit() and 1 <= int(text) <= high:
+    if len(text) <= 6 and text.isascii() and text.isdigit() and 1 <= int(text) <= high:
         return int(text)
+    text = text[:40]
     if (pod, key, text) not in _warned:
+        if len(_warned) >= 10_000:  # pods come and go: a bound, not a history
+            _warned.clear()
         _warned.add((pod, key, text))
         log.warning("kubernetes: pod %s: annotation %s=%r is not a number from 1 to %d; ignored", pod, key,
-                    text[:40], high)
+                    text, high)
     return None
 
 

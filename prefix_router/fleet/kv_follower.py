@@ -8,7 +8,8 @@ bind address ``tcp://*:5557``, whose ``*`` is the replica's host as the gateway 
 ``EngineView`` (``prefix_router/cache/stream.py``, ``prefix_router/cache/events.py``) and keeps it until the replica
 leaves. A data-parallel rank (``replicas[].data_parallel_size``) follows its own engine's
 publisher: its entry in ``/kv_event_sources``, else the configured ports plus its rank, as vLLM
-offsets them. A server of several ranks not known as such is routed by its rank 0's cache.
+offsets them. A server of several ranks not known as such follows none: vLLM spreads its
+requests over the ranks, and no one rank's events say what it holds.
 
 ``ReplicaState.cache_index`` is what routing reads: the engine's view while its stream is fresh
 and the prompt was cut into exact token blocks (events carry token ids: character blocks never
@@ -48,6 +49,7 @@ __all__ = ["follow_events", "event_endpoints", "check_parity", "parity_hint"]
 log = logging.getLogger(__name__)
 
 RETRY_SOURCES_S = 30.0  # a replica that publishes no events is asked again this often
+_warned_ranks: set[str] = set()  # replicas found to run several data-parallel ranks, warned of once
 
 
 def _on_host(address: str | None, host: str) -> str | None:
@@ -100,12 +102,18 @@ async def event_endpoints(gw: Gateway, replica: ReplicaState) -> tuple[str, str 
     if isinstance(sources, dict) and sources:
         rank = str(replica.rank) if replica.rank is not None else "0"  # each rank publishes its own events
         rank0 = sources.get(rank) or (next(iter(sources.values())) if replica.rank is None else None)
+        if len(sources) > 1 and replica.rank is None:
+            # vLLM balances requests over its ranks, each with its own cache: no one rank's events
+            # say what the server holds, and following one would read as a cache gone wrong
+            if replica.name not in _warned_ranks:
+                _warned_ranks.add(replica.name)
+                log.warning("replica %s runs %d data-parallel ranks, each its own prefix cache; routing it by the "
+                            "gateway's own guess (replicas[].data_parallel_size: %d makes each rank a replica, "
+                            "followed by its own events)", replica.name, len(sources), len(sources))
+            return None
         if isinstance(rank0, dict) and rank0.get("enable_kv_cache_events") and rank0.get("publisher") == "zmq":
             endpoint = _on_host(rank0.get("endpoint"), host)
             if endpoint:
-                if len(sources) > 1 and replica.rank is None:
-                    log.info("replica %s runs %d data-parallel ranks; following rank 0's KV events only "
-                             "(replicas[].data_parallel_size makes each rank a replica)", replica.name, len(sources))
                 return endpoint, _on_host(rank0.get("replay_endpoint"), host)
     events = gw.config.kv_events
     if sources is None and events.port:  # no /kv_event_sources (vLLM before 0.32): the configured ports

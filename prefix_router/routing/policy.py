@@ -111,8 +111,8 @@ class PrefixAffinityPolicy:
         depth, key = routing_key(self.branches, self.config.max_key_blocks, hashes, full_hash, session_key)
         order = [n for n in self.ring.candidates(key) if n in replicas] or sorted(replicas)
         indexes = dict(zip(replicas, map(_SHADOW, replicas.values())))
-        held = match_all(hashes, indexes, cap)
-        matches, offload = self._offload_value(hashes, indexes, held, cap)
+        gpu = match_all(hashes, indexes, cap)
+        matches, held, total, offload = self._offload_value(hashes, indexes, gpu, cap)
         bounds = Bounds.of(self.config, replicas)
         owner = order[0]
         choose = self._chooser(matches, held, replicas, hashes, depth)
@@ -125,8 +125,9 @@ class PrefixAffinityPolicy:
 
         def decide(replica: str, route: Route, **more) -> Decision:
             more.pop("predicted_blocks", None)  # the blocks it holds, not their value
-            return Decision(replica, route, predicted_blocks=held[replica], best_blocks=held[top], best_replica=top,
-                            key_depth=depth, key=key, matches=held, offload=tuple(offload.get(replica, ())), **more)
+            return Decision(replica, route, predicted_blocks=total[replica], best_blocks=max(total.values()),
+                            best_replica=top, key_depth=depth, key=key, matches=total,
+                            offload=tuple(offload.get(replica, ())), **more)
         if fitting and self._is_new_work(first_turn, best, depth, cap):
             # mostly new work: what a replica holds of it is worth less than where its later
             # turns will stay and how soon its prefill starts: the least prompt queued for
@@ -157,22 +158,28 @@ class PrefixAffinityPolicy:
         route = Route.STICKY if matches[replica] > matches[owner] else Route.BALANCE
         return decide(replica, route, predicted_blocks=matches[replica])
 
-    def _offload_value(self, hashes: Sequence[BlockHash], indexes: Mapping, held: dict[str, int],
-                       cap: int) -> tuple[Mapping[str, float], dict[str, list[int]]]:
-        """(each replica's value of the prompt, the blocks it holds in each offload medium past its
-        GPU's): where replicas hold parts of the prompt in CPU memory or storage
-        (``holders.offload_depths``), a block there is worth its medium's weight
-        (``routing.cpu_hit_weight``, ``storage_hit_weight``) of one on the GPU, and ``held`` counts
-        it as held. Without offload tiers the value is ``held``."""
-        weights = (self.config.cpu_hit_weight, self.config.storage_hit_weight)
-        offload = offload_depths(hashes, indexes, held, cap, MEDIA) if any(weights) else {}
+    def _offload_value(self, hashes: Sequence[BlockHash], indexes: Mapping, gpu: dict[str, int], cap: int
+                       ) -> tuple[Mapping[str, float], Mapping[str, int], Mapping[str, int], dict[str, list[int]]]:
+        """(the value of the prompt on each replica, the blocks routing counts as held, the blocks
+        each holds in all, those it holds in each offload medium past its GPU's), from ``gpu``, the
+        blocks on each replica's GPU. Where replicas hold parts of the prompt in CPU memory or
+        storage (``holders.offload_depths``), vLLM loads them (and reports them cached), so they
+        are always predicted; routing weighs a block there at its medium's weight of one on the
+        GPU (``routing.cpu_hit_weight``, ``storage_hit_weight``) and counts it as held, unless
+        both weights are 0: then it routes by the GPU's blocks alone."""
+        offload = offload_depths(hashes, indexes, gpu, cap, MEDIA)
         if not offload:
-            return held, offload
-        value = dict(held)
+            return gpu, gpu, gpu, offload
+        total = dict(gpu)
         for name, runs in offload.items():
-            value[name] = held[name] + sum(w * n for w, n in zip(weights, runs))
-            held[name] += sum(runs)
-        return value, offload
+            total[name] += sum(runs)
+        weights = (self.config.cpu_hit_weight, self.config.storage_hit_weight)
+        if not any(weights):
+            return gpu, gpu, total, offload
+        value = dict(gpu)
+        for name, runs in offload.items():
+            value[name] += sum(w * n for w, n in zip(weights, runs))
+        return value, total, total, offload
 
     def _chooser(self, matches: Mapping[str, float], held: Mapping[str, int], replicas: Mapping[str, ReplicaView],
                  hashes: Sequence[BlockHash], depth: int) -> Callable[[Sequence[str]], str]:

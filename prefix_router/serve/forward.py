@@ -170,9 +170,8 @@ def headers_for(replica: ReplicaState, headers: dict[str, str]) -> dict[str, str
     """The headers a request goes to ``replica`` with: with its data-parallel rank, where it is one
     (a client's own rank header never passes: the rank is the routing's choice)."""
     if replica.rank is None:
-        return headers
-    return {**{k: v for k, v in headers.items() if k.lower() != DP_RANK_HEADER.lower()},
-            DP_RANK_HEADER: str(replica.rank)}
+        return headers  # the client's was dropped with the hop-by-hop headers (inbound.forward_headers)
+    return {**headers, DP_RANK_HEADER: str(replica.rank)}
 
 
 def answered(path: str, events, answer: dict | None, usage) -> tuple[dict | None, dict | None, str | None]:

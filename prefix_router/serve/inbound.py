@@ -31,6 +31,7 @@ import re
 import orjson
 from aiohttp import web
 
+from prefix_router.constants import DP_RANK_HEADER
 from prefix_router.prompts.anthropic import check_messages_body, messages_prompt
 from prefix_router.serve.bodies import loads, parse, read_body
 from prefix_router.prompts.responses import MESSAGES, RESPONSES, check_responses_body, responses_prompt
@@ -42,10 +43,12 @@ from prefix_router.fleet.tenants import IsolationError
 
 __all__ = ["Inbound", "forward_headers", "inbound_of", "read_inbound", "loads", "patched"]
 
-# Not forwarded: hop-by-hop headers, and Content-Encoding, since the body goes on inflated
-# (bodies.read_body; a gzip header on a plain body made replicas answer 500)
+# Not forwarded: hop-by-hop headers, Content-Encoding, since the body goes on inflated
+# (bodies.read_body; a gzip header on a plain body made replicas answer 500), and a client's
+# data-parallel rank: the engine is the routing's choice (forward.headers_for sets it for a rank)
 _HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
-               "proxy-authorization", "proxy-connection", "te", "trailer", "accept-encoding", "content-encoding"}
+               "proxy-authorization", "proxy-connection", "te", "trailer", "accept-encoding", "content-encoding",
+               DP_RANK_HEADER.lower()}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -89,12 +89,13 @@ def test_a_prefix_on_a_cpu_tier_outweighs_a_shorter_one_on_a_gpu_as_its_weight_s
         policy = PrefixAffinityPolicy(RoutingConfig(**weights), ring, BranchStats(4))
         return policy.select(OURS, 0, views, session_key="s", max_hit_blocks=9, first_turn=False)
 
-    decision = choose()  # 2 + 0.75 x 6 = 6.5 against 4
+    decision = choose(cpu_hit_weight=0.75)  # 2 + 0.75 x 6 = 6.5 against 4
     assert (decision.replica, decision.predicted_blocks, decision.offload) == ("b", 8, (6, 0))
     assert decision.best_blocks == 8 and decision.matches == {"a": 4, "b": 8}
     assert choose(cpu_hit_weight=0.25).replica == "a"  # 2 + 1.5 < 4
-    ignored = choose(cpu_hit_weight=0.0, storage_hit_weight=0.0)
+    ignored = choose()  # the default: routed by GPU blocks, the tier's hit still predicted
     assert (ignored.replica, ignored.predicted_blocks, ignored.offload) == ("a", 4, ())
+    assert ignored.matches == {"a": 4, "b": 8}
 
 
 def test_offloaded_blocks_announced_out_of_order_in_one_batch_are_chained_by_their_parents():
@@ -105,3 +106,44 @@ def test_offloaded_blocks_announced_out_of_order_in_one_batch_are_chained_by_the
         deque(v.apply_run(run), maxlen=0)  # as cache/stream.py applies a message
     assert v.orphans == 0 and len(v.offload["CPU"]) == 5
     assert offload_depths(OURS, {"r": v}, {"r": 0}, len(OURS), MEDIA) == {"r": [5, 0]}
+
+
+def apply_as_the_stream_does(v: EngineView, *events) -> None:
+    for run in runs(decode_batch(encode(*events)).events, 1 << 20):
+        deque(v.apply_run(run), maxlen=0)
+
+
+def test_a_long_chain_announced_children_first_is_chained_in_one_pass():
+    tokens = list(range(2000 * BS))
+    engine = list(range(10_000, 12_000))
+    chain = [sim_events.BlockStored(block_hashes=[engine[i]], parent_block_hash=engine[i - 1] if i else None,
+                                    token_ids=tokens[i * BS:(i + 1) * BS], block_size=BS, lora_id=None, medium="CPU",
+                                    lora_name=None) for i in range(2000)]
+    v = EngineView(BS, seed)
+    calls = 0
+    parent_name = v._parent_name
+
+    def counted(key):
+        nonlocal calls
+        calls += 1
+        return parent_name(key)
+    v._parent_name = counted
+    apply_as_the_stream_does(v, *reversed(chain))
+    assert v.orphans == 0 and len(v.offload["CPU"]) == 2000
+    assert calls < 3 * 2000  # linear: each chunk's parent looked up a bounded number of times
+
+
+def test_a_chunk_whose_parent_the_gpu_stores_in_the_same_message_is_chained_as_one_at_a_time_would():
+    gpu = stored(ENGINE[:1], None, TOKENS[:BS])
+    for apply in (lambda v, *e: through_the_wire(v, *e), apply_as_the_stream_does):
+        v = EngineView(BS, seed)
+        apply(v, gpu, offloaded(1, 3))
+        assert v.orphans == 0 and len(v.offload["CPU"]) == 2
+
+
+def test_many_engine_hashes_naming_one_block_overflow_the_view():
+    v = EngineView(BS, seed, max_blocks=10)
+    events = [sim_events.BlockStored(block_hashes=[50_000 + i], parent_block_hash=None, token_ids=TOKENS[:BS],
+                                     block_size=BS, lora_id=None, medium="CPU", lora_name=None) for i in range(400)]
+    apply_as_the_stream_does(v, *events)
+    assert v.overflowed and v.offload["CPU"].keys <= 16 * 10 and len(v.offload["CPU"]) == 1

@@ -145,3 +145,15 @@ async def test_ranks_the_server_does_not_run_stay_off_the_ring(fleet, aiohttp_cl
         resp = await client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, "messages": [
             {"role": "user", "content": f"question {i}"}]}, headers={"X-Session-ID": f"s{i}"})
         assert resp.status == 200  # never sent to a rank vLLM would refuse
+
+
+async def test_a_clients_rank_header_never_reaches_a_server_the_gateway_does_not_split(aiohttp_server, aiohttp_client):
+    server = DataParallelServer()
+    url = str((await aiohttp_server(server.app)).make_url("")).rstrip("/")
+    config = config_from_dict({"replicas": [url], "kv_events": {"enabled": False}})  # vLLM balances its ranks
+    client = await aiohttp_client(create_app(config, ByteTokenizer()))
+    for header in (DP_RANK_HEADER, DP_RANK_HEADER.lower(), "X-DATA-PARALLEL-RANK"):
+        resp = await client.post("/v1/chat/completions", headers={header: "3"},
+                                 json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert resp.status == 200
+    assert server.ranks == [None, None, None]

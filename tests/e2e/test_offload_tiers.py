@@ -70,8 +70,10 @@ async def test_a_prefix_on_a_cpu_tier_is_predicted_and_routed_to_over_recomputin
         assert resp.headers[REPLICA_HEADER] == holder  # loading it beats recomputing three quarters of it
         assert line["predicted_offload_tokens"]["CPU"] > 0
         assert line["predicted_cached_tokens"] == line["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+        shown = {r["name"]: r for r in (await (await client.get("/replicas")).json())["replicas"]}
+        assert shown[holder]["kv_events"]["offload"]["CPU"]["blocks"] > 40
         page = await (await client.get("/metrics")).text()
         assert metric(page, "prefix_router_cached_tokens_predicted_offload_total", replica=holder, medium="CPU") > 0
     else:
         assert resp.headers[REPLICA_HEADER] != holder  # the tier ignored: the GPU's quarter wins
-        assert "predicted_offload_tokens" not in line
+        assert "predicted_offload_tokens" not in line and line["predicted_cached_tokens"] == line["cached_tokens"]

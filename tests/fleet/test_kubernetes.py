@@ -49,7 +49,7 @@ def test_a_pods_annotations_give_its_data_parallel_ranks_and_kv_event_ports(capl
     rc = target(pod(annotations=notes), CONFIG)
     assert (rc.data_parallel_size, rc.kv_events, rc.kv_events_replay) == (4, "tcp://10.0.0.7:5557", "tcp://10.0.0.7:5600")
     assert target(pod(ip="fd00::7", annotations=notes), CONFIG).kv_events == "tcp://[fd00::7]:5557"
-    for bad in ("0", "-1", "four", "4.0", "²", str(MAX_DATA_PARALLEL_SIZE + 1), ""):
+    for bad in ("0", "-1", "four", "4.0", "²", str(MAX_DATA_PARALLEL_SIZE + 1), "", "9" * 5000):
         with caplog.at_level(logging.WARNING):
             rc = target(pod(name=f"bad{bad}", annotations={DP_SIZE_ANNOTATION: bad}), CONFIG)
         assert rc.data_parallel_size == 1  # served as one replica, vLLM balancing its ranks

@@ -92,6 +92,14 @@ async def test_each_data_parallel_rank_follows_its_own_publisher_base_port_plus_
     assert found[1] == (f"tcp://{server.host}:5558", f"tcp://{server.host}:5559") and found[2] is None
 
 
+async def test_a_server_of_several_ranks_not_configured_as_such_is_not_followed(gateway, sources, caplog):
+    server = await sources({"0": rank(), "1": rank("tcp://*:5558", "tcp://*:5559")})
+    gw = gateway([url_of(server)])
+    [replica] = gw.replicas.values()
+    assert await event_endpoints(gw, replica) is None  # rank 0's events would not say what the server holds
+    assert "data_parallel_size: 2" in caplog.text
+
+
 @pytest.mark.parametrize("shape", ["list", "sources", "named ranks"])
 async def test_sources_given_as_a_list_are_read_by_rank(gateway, sources, shape):
     ranks = [rank(), rank("tcp://*:5558", "tcp://*:5559")]
@@ -104,8 +112,8 @@ async def test_sources_given_as_a_list_are_read_by_rank(gateway, sources, shape)
                      (f"tcp://{server.host}:5558", f"tcp://{server.host}:5559")]
 
 
-async def test_the_replicas_own_sources_give_rank_zeros_bind_address_on_the_replicas_host(gateway, sources):
-    server = await sources({"1": rank("tcp://*:6001", "tcp://*:6002"), "0": rank()})
+async def test_the_replicas_own_sources_give_its_bind_address_on_the_replicas_host(gateway, sources):
+    server = await sources({"0": rank()})
     gw = gateway([url_of(server)])
     [replica] = gw.replicas.values()
     assert await event_endpoints(gw, replica) == (f"tcp://{server.host}:5557", f"tcp://{server.host}:5558")

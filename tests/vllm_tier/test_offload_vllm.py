@@ -61,7 +61,8 @@ async def test_a_prefix_kept_on_a_real_cpu_tier_is_predicted_and_routed_to(engin
     offloading, plain = engines
     log = tmp_path / "requests.jsonl"
     config = config_from_dict({"replicas": [{"url": offloading}, {"url": plain}], "tokenizer": str(tiny_model()),
-                               "request_log": str(log), "health": {"timeout_s": 10.0, "unhealthy_after": 3}})
+                               "request_log": str(log), "health": {"timeout_s": 10.0, "unhealthy_after": 3},
+                               "routing": {"cpu_hit_weight": 0.75}})
     client = await aiohttp_client(create_app(config, HFTokenizer(str(tiny_model()))))
     gw = client.server.app[GATEWAY]
     name = offloading.split("//")[1]

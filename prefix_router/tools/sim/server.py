@@ -361,6 +361,27 @@ async def _expire_leases(ranks: Ranks, connector: Connector) -> None:
                 engine.scheduler.release_held(request_id)
 
 
+def _check_event_ports(config: SimConfig) -> None:
+    """Raise ValueError where the ranks' publishers would take one port twice, or one past 65535
+    (each rank binds its endpoint and replay socket at its configured port plus its rank)."""
+    events = config.kv_events or {}
+    if not events.get("enable_kv_cache_events"):
+        return
+    taken: dict[int, str] = {}
+    for rank in range(config.data_parallel_size):
+        for what in ("endpoint", "replay_endpoint"):
+            port = (_offset(events.get(what, "tcp://*:5557" if what == "endpoint" else None), rank) or "").rpartition(":")[2]
+            if not port.isdigit() or not int(port):
+                continue
+            if int(port) > 65535:
+                raise ValueError(f"kv events: rank {rank}'s {what} would be port {port}, past 65535")
+            if int(port) in taken:
+                raise ValueError(f"kv events: rank {rank}'s {what} would take port {port}, which {taken[int(port)]} "
+                                 f"has: each rank binds its ports plus its rank, so leave {config.data_parallel_size} "
+                                 "ports between endpoint and replay_endpoint")
+            taken[int(port)] = f"rank {rank}'s {what}"
+
+
 def _offset(endpoint: str | None, rank: int) -> str | None:
     """A bind address with ``rank`` added to its TCP port, as vLLM's ``offset_endpoint_port``
     (``vllm/distributed/kv_events.py``) gives each rank its own; port 0 stays 0."""
@@ -377,6 +398,7 @@ def create_app(config: SimConfig, tokenizer: PromptTokenizer) -> web.Application
     to start in that case too).
     """
     config.validate()
+    _check_event_ports(config)
     capacity = (config.num_gpu_blocks - 1) * config.block_size
     if config.max_model_len > capacity:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV cache "

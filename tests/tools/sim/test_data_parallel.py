@@ -67,3 +67,15 @@ async def test_metrics_and_event_sources_show_each_engine(aiohttp_client):
     sources = await (await client.get("/kv_event_sources")).json()
     assert sorted(sources) == [str(r) for r in range(RANKS)]
     assert len({s["endpoint"] for s in sources.values()}) == RANKS  # a publisher each
+
+
+def test_ranks_whose_event_ports_would_collide_are_refused_before_anything_binds():
+    import pytest
+
+    events = {"enable_kv_cache_events": True, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}
+    with pytest.raises(ValueError, match="leave 4 ports"):
+        create_app(replace(CONFIG, kv_events=events), ByteTokenizer())
+    with pytest.raises(ValueError, match="past 65535"):
+        create_app(replace(CONFIG, kv_events={**events, "endpoint": "tcp://*:65534", "replay_endpoint": None}),
+                   ByteTokenizer())
+    create_app(replace(CONFIG, kv_events={**events, "replay_endpoint": "tcp://*:5600"}), ByteTokenizer())  # room for 4

@@ -5,12 +5,9 @@ self-describing events announce it."""
 
 from __future__ import annotations
 
-import msgspec
-import zmq
-import zmq.asyncio
-
 from prefix_router.prompts.tokenizer import ByteTokenizer
 from prefix_router.tools.sim.config import SimConfig
+from prefix_router.tools.sim.kv_events import BlockRemoved, BlockStored
 from prefix_router.tools.sim.server import ENGINE, create_app
 
 MODEL = "test-model"
@@ -49,34 +46,20 @@ async def test_a_prefix_evicted_from_the_gpu_is_loaded_from_the_cpu_tier(aiohttp
 
 async def test_the_cpu_tier_announces_each_block_with_its_tokens_and_evicts_the_least_recently_used(aiohttp_client):
     client = await aiohttp_client(create_app(config(cpu_offload_blocks=40, kv_events=EVENTS), ByteTokenizer()))
-    sources = await (await client.get("/kv_event_sources")).json()
-    sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(sources["0"]["endpoint"])
+    publisher = client.server.app[ENGINE].publisher
     events: list = []
-    try:
-        async def received():
-            while await sub.poll(10):
-                events.extend(msgspec.msgpack.decode((await sub.recv_multipart())[2])[1])
-            return any(e["medium"] == "CPU" and e["type"] == "BlockRemoved" for e in events)
-        for _ in range(100):  # the subscription takes a moment to join
-            await complete(client, "warm up " * 20)
-            await received()
-            if events:
-                break
-        await complete(client, prompt(0))
-        await complete(client, prompt(1))
-        for _ in range(100):
-            if await received():
-                break
-    finally:
-        sub.close()
-    cpu = [e for e in events if e.get("medium") == "CPU" and e["type"] == "BlockStored"]
-    assert cpu and all(len(e["block_hashes"]) == 1 and len(e["token_ids"]) == e["block_size"] == BS for e in cpu)
-    assert sum(e["parent_block_hash"] is None for e in cpu) >= 2  # each prompt's first block
-    removed = [h for e in events if e.get("medium") == "CPU" and e["type"] == "BlockRemoved" for h in e["block_hashes"]]
-    assert removed and set(removed) <= {e["block_hashes"][0] for e in cpu}
-    first_prompt = [e["block_hashes"][0] for e in cpu][-62:-31]  # the 31 blocks of document 0, in order
-    gone = [h for h in first_prompt if h in removed]
-    assert gone and gone == first_prompt[len(first_prompt) - len(gone):]  # its tail went first, its head stays
+    publish = publisher.publish
+
+    def recorded(batch):  # what each step publishes, as the publisher encodes it (tests/cache/test_events.py)
+        events.extend(batch)
+        publish(batch)
+    publisher.publish = recorded
+    await complete(client, prompt(0))
+    await complete(client, prompt(1))  # 31 blocks each: the second pushes most of the first off the tier
+    cpu = [e for e in events if e.medium == "CPU" and isinstance(e, BlockStored)]
+    assert len(cpu) == 62 and all(len(e.block_hashes) == 1 and len(e.token_ids) == e.block_size == BS for e in cpu)
+    assert [e.parent_block_hash for e in cpu[:2]] == [None, cpu[0].block_hashes[0]]
+    removed = [h for e in events if e.medium == "CPU" and isinstance(e, BlockRemoved) for h in e.block_hashes]
+    first_prompt = [e.block_hashes[0] for e in cpu[:31]]
+    assert len(removed) == 62 - 40 and set(removed) <= set(first_prompt)
+    assert removed == first_prompt[-len(removed):][::-1]  # its tail went first, its head stays
