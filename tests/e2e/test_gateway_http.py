@@ -347,8 +347,8 @@ async def test_every_declared_metric_is_exported_after_one_request(fleet, gatewa
     # Label sets nobody used yet: declared and exported, without samples.
     for name in set(METRIC_NAMES) - set(used):
         assert name in ("prefix_router_lost_tokens_total", "prefix_router_spillovers_total",
-                        "prefix_router_decode_requests_total") or \
-            name.startswith("prefix_router_kv_"), name  # replicas without KV events, a fleet not disaggregated
+                        "prefix_router_decode_requests_total", "prefix_router_cached_tokens_predicted_offload_total") or \
+            name.startswith("prefix_router_kv_"), name  # no KV events, not disaggregated, no offload tier
         assert not samples(name), name
     assert sum(s.value for s in samples("prefix_router_requests_total")) == 1
     prompt_tokens = sum(s.value for s in samples("prefix_router_prompt_tokens_total"))

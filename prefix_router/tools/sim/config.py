@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefix_router.constants import VLLM_BLOCK_SIZE
+from prefix_router.constants import MAX_DATA_PARALLEL_SIZE, VLLM_BLOCK_SIZE
 
 __all__ = ["SimConfig"]
 
@@ -91,6 +91,8 @@ class SimConfig:
         for name in ("decode_ms_per_token", "kv_read_ns_per_token"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.data_parallel_size > MAX_DATA_PARALLEL_SIZE:
+            raise ValueError(f"data_parallel_size must be at most {MAX_DATA_PARALLEL_SIZE}, got {self.data_parallel_size}")
         if self.cpu_offload_blocks < 0:
             raise ValueError(f"cpu_offload_blocks must not be negative, got {self.cpu_offload_blocks}")
         if self.num_gpu_blocks < 2:

@@ -60,13 +60,14 @@ class CpuTier:
         evicting the least recently used, and announce them."""
         blocks, size = self.blocks, self.block_size
         new = [i for i in range(first, last) if block_hashes[i] not in blocks][:self.capacity]
+        adding = set(new)
         evicted = [blocks.popitem(last=False)[0] for _ in range(max(len(blocks) + len(new) - self.capacity, 0))]
         if evicted and self.events is not None:
             self.events.append(BlockRemoved(block_hashes=evicted, medium="CPU", group_idx=0))
         for i in reversed(range(first, last)):  # the tail least recently used
             if block_hashes[i] in blocks:
                 blocks.move_to_end(block_hashes[i])
-            elif i in new:
+            elif i in adding:
                 blocks[block_hashes[i]] = None
         for i in new:
             if self.events is not None:

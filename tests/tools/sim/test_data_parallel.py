@@ -79,3 +79,12 @@ def test_ranks_whose_event_ports_would_collide_are_refused_before_anything_binds
         create_app(replace(CONFIG, kv_events={**events, "endpoint": "tcp://*:65534", "replay_endpoint": None}),
                    ByteTokenizer())
     create_app(replace(CONFIG, kv_events={**events, "replay_endpoint": "tcp://*:5600"}), ByteTokenizer())  # room for 4
+
+
+def test_more_ranks_than_the_gateway_would_split_are_refused():
+    import pytest
+
+    from prefix_router.constants import MAX_DATA_PARALLEL_SIZE
+
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        replace(CONFIG, data_parallel_size=MAX_DATA_PARALLEL_SIZE + 1).validate()
