@@ -91,7 +91,9 @@ def _run_sim(args: argparse.Namespace) -> int:
                                            + (f" data_parallel_size={config.data_parallel_size}"
                                               if config.data_parallel_size > 1 else ""), flush=True))
     except OSError as exc:  # the port taken, an address this machine does not have
-        print(f"prefix-router sim: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        from prefix_router.workers import listen_error
+
+        print(f"prefix-router sim: {listen_error(args.host, args.port, exc)}", file=sys.stderr)
         return 1
     return 0
 
@@ -236,7 +238,9 @@ def _run_serve(args: argparse.Namespace) -> int:
                     shutdown_timeout=config.drain_s, backlog=4096, loop=_event_loop(), reuse_port=worker is not None,
                     print=lambda *_: worker or print(_banner(config, args.grpc_port, worker is not None), flush=True))
     except OSError as exc:  # the port taken, an address this machine does not have
-        where = f"cannot listen on {config.host}:{config.port}: {exc.strerror}" if exc.errno else str(exc)
+        from prefix_router.workers import listen_error
+
+        where = listen_error(config.host, config.port, exc) if exc.errno else str(exc)
         print(f"{name}: {where}", file=sys.stderr)
         return 1
     except ConfigError as exc:  # found at startup: discovery.kubernetes without its library or credentials

@@ -26,6 +26,7 @@ gateway.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -36,7 +37,7 @@ import sys
 import tempfile
 import time
 
-__all__ = ["MULTIPROC_ENV", "WORKER_ENV", "supervise", "worker_index"]
+__all__ = ["listen_error", "MULTIPROC_ENV", "WORKER_ENV", "supervise", "worker_index"]
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +65,22 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
+def listen_error(host: str, port: int, exc: OSError) -> str:
+    """One line saying why ``host:port`` could not be listened on, and for a port in use how to
+    find its holder and pick another."""
+    text = f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    if exc.errno == errno.EADDRINUSE:
+        text += f" (`ss -ltnp 'sport = :{port}'` names the program holding it; or choose another with --port)"
+    return text
+
+
 def port_problem(host: str, port: int) -> str | None:
     """Why the gateway could not listen on ``host:port`` (taken by another program, an address
     this machine does not have), tried without ``SO_REUSEPORT``; None when it can."""
     try:
         socket.create_server((host, port)).close()
     except OSError as exc:
-        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+        return listen_error(host, port, exc)
     return None
 
 

@@ -105,6 +105,11 @@ class ReplicaState:
     parity_hint: str = ""  # the likely cause of the last mismatch
     rank: int | None = None  # its data-parallel rank on a server of several (ReplicaConfig.data_parallel_size)
     missing_rank: bool = False  # a rank its server's /metrics does not report (``apply_metrics``)
+    # prompt tokens of the requests this gateway saw answered here, those the engine reported
+    # cached, those the gateway predicted cached (serve/learning.py): its token hit rate in /replicas
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    predicted_tokens: int = 0
 
     @property
     def url(self) -> str:

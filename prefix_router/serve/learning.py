@@ -66,6 +66,9 @@ def learn(gw: Gateway, inbound: Inbound, info: PromptInfo, outcome: Outcome) -> 
     m.cached.labels(name).inc(cached_tokens)
     predicted = min(int(decision.predicted_blocks * to_tokens), prompt_tokens)
     m.cached_predicted.labels(name).inc(predicted)
+    replica.prompt_tokens += prompt_tokens
+    replica.cached_tokens += cached_tokens
+    replica.predicted_tokens += predicted
     offload = {medium: int(n * to_tokens) for medium, n in zip(MEDIA, decision.offload) if n}
     for medium, tokens in offload.items():
         m.cached_predicted_offload.labels(name, medium).inc(tokens)

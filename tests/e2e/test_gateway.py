@@ -183,8 +183,21 @@ async def test_replicas_view_and_readiness(fleet, gateway):
     assert len(view["replicas"]) == 2
     assert abs(sum(r["ring_share"] for r in view["replicas"]) - 1.0) < 1e-3
     assert all(r["num_gpu_blocks"] == 20_000 and r["block_size"] == 16 for r in view["replicas"])
+    assert all(r["hit_rate"] is None and r["prompt_tokens"] == 0 for r in view["replicas"])  # nothing served yet
     assert (await client.get("/ready")).status == 200
     assert (await client.get("/health")).status == 200
+    messages = [{"role": "user", "content": "a question long enough to fill a few blocks " * 8}]
+    for _ in range(3):  # the same prompt: its repeats hit
+        resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1},
+                                 headers={"X-Session-ID": "one"})
+        assert resp.status == 200
+    page = await (await client.get("/metrics")).text()
+    served = [r for r in (await (await client.get("/replicas")).json())["replicas"] if r["prompt_tokens"]]
+    assert len(served) == 1 and served[0]["hit_rate"] > 0
+    assert served[0]["hit_rate"] == round(metric(page, "prefix_router_cached_tokens_total")
+                                          / metric(page, "prefix_router_prompt_tokens_total"), 4)
+    assert served[0]["predicted_hit_rate"] == round(metric(page, "prefix_router_cached_tokens_predicted_total")
+                                                    / metric(page, "prefix_router_prompt_tokens_total"), 4)
 
 
 def spawn_sim(port: int, time_scale: float) -> subprocess.Popen:

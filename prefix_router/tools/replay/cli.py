@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+from urllib.parse import urlsplit
 
 from prefix_router.tools.replay.generate import WORKLOADS
 
@@ -35,17 +36,45 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+class TargetError(ValueError):
+    """The target answered, but not as an OpenAI-compatible server does."""
+
+
+def _target_problem(target: str) -> str | None:
+    """Why ``--target`` is not a base URL replay can use, or None."""
+    parts = urlsplit(target)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return f"--target {target!r}: give the base URL, e.g. http://127.0.0.1:8080"
+    if parts.path.rstrip("/").endswith("/v1"):
+        return (f"--target: give the base URL, {target.rstrip('/')[:-3]}, without /v1 "
+                "(replay calls /v1/... itself)")
+    return None
+
+
 async def _first_model(target: str) -> str | None:
+    """The target's first served model. Raises TargetError when ``/v1/models`` does not answer
+    with a model list."""
     import aiohttp
 
+    url = target.rstrip("/") + "/v1/models"
     async with aiohttp.ClientSession() as http:
-        async with http.get(target.rstrip("/") + "/v1/models") as resp:
-            data = await resp.json()
+        async with http.get(url) as resp:
+            try:
+                data = await resp.json(content_type=None) if resp.status == 200 else None
+            except ValueError:
+                data = None
+            if not isinstance(data, dict):
+                raise TargetError(f"{url} answered HTTP {resp.status} without a model list; is --target the "
+                                 "gateway's or a replica's base URL?")
     models = data.get("data") or []
-    return models[0]["id"] if models else None
+    return models[0]["id"] if models and isinstance(models[0], dict) and "id" in models[0] else None
 
 
 def run(args: argparse.Namespace) -> int:
+    problem = _target_problem(args.target)
+    if problem:
+        print(f"prefix-router replay: {problem}", file=sys.stderr)
+        return 2
     from prefix_router.tools.replay.client import replay
     from prefix_router.tools.replay.summary import format_summary, summarize
     from prefix_router.tools.replay.workloads import load_workload
@@ -75,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
         records = asyncio.run(go())
     except OSError as exc:
         print(f"prefix-router replay: cannot reach {args.target}: {exc}", file=sys.stderr)
+        return 2
+    except TargetError as exc:
+        print(f"prefix-router replay: {exc}", file=sys.stderr)
         return 2
     if sys.stderr.isatty():
         print(file=sys.stderr)
