@@ -227,7 +227,8 @@ def _run_serve(args: argparse.Namespace) -> int:
                 raise ConfigError("--fallbacks: a number of endpoints, 0 or more")
             add_picker(app, args.grpc_port, config.host, args.fallbacks)
     except (ConfigError, OSError, ValueError) as exc:  # ValueError: PREFIX_ROUTER_REQUEST_LOG_KEY too short
-        print(f"{name}: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines() or [""]:  # a configuration names each of its problems on a line
+            print(f"{name}: {line}", file=sys.stderr)
         return 2
     # SIGTERM (and Ctrl-C): stop accepting, give in-flight requests drain_s, then exit 0
     # backlog: aiohttp's default of 128 pending connections resets clients in a burst of new

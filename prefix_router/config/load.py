@@ -102,7 +102,15 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if len(args) != 2 or args[1] is not Ellipsis:
             raise TypeError(f"unsupported config annotation {declared!r} at {path}")
         if isinstance(value, (list, tuple)):
-            return tuple(_convert(args[0], item, f"{path}[{i}]") for i, item in enumerate(value))
+            items, problems = [], []
+            for i, item in enumerate(value):  # every item's problems, not only the first's
+                try:
+                    items.append(_convert(args[0], item, f"{path}[{i}]"))
+                except ConfigError as exc:
+                    problems += str(exc).splitlines()
+            if problems:
+                raise ConfigError("\n".join(problems))
+            return tuple(items)
     elif tp is bool:
         if isinstance(value, bool):
             return value
@@ -122,37 +130,48 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
 
 
 def _build(cls: type, data: Mapping[Any, Any], path: str) -> Any:
-    """Build dataclass ``cls`` from a mapping, checking keys, types and ranges."""
+    """Build dataclass ``cls`` from a mapping, checking keys, types and ranges. Raises
+    ConfigError naming every problem found in it and in what it holds, one a line."""
     known = [f.name for f in fields(cls)]
+    problems: list[str] = []
     for key in data:
         if (cls, key) in REMOVED:
-            raise ConfigError(f"{_join(path, str(key))}: no longer a setting; {REMOVED[cls, key]}")
-        if key not in known:
+            problems.append(f"{_join(path, str(key))}: no longer a setting; {REMOVED[cls, key]}")
+        elif key not in known:
             hint = difflib.get_close_matches(str(key), known, n=1)
             suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
-            raise ConfigError(f"{_join(path, str(key))}: unknown key; expected one of: "
-                              f"{', '.join(known)}{suggestion}")
+            problems.append(f"{_join(path, str(key))}: unknown key; expected one of: {', '.join(known)}{suggestion}")
     values: dict[str, Any] = {}
     for f in fields(cls):
         key_path = _join(path, f.name)
         if f.name not in data:
             if f.default is MISSING and f.default_factory is MISSING:
-                raise ConfigError(f"{key_path}: required key missing")
+                problems.append(f"{key_path}: required key missing")
             continue
-        value = _convert(_hints(cls)[f.name], data[f.name], key_path)
-        check = CHECKS.get((cls, f.name))
-        if check is not None and value is not None:
-            try:
-                value = check(value)
-            except Reject as exc:
-                where = key_path if exc.index is None else f"{key_path}[{exc.index}]"
-                if exc.problem:
-                    raise ConfigError(f"{where}: {exc.problem}") from None
-                shown = value if exc.index is None else value[exc.index]
-                got = "a key that is not shown" if exc.secret else _show(shown)
-                raise ConfigError(f"{where}: expected {exc}, got {got}") from None
-        values[f.name] = value
+        try:
+            values[f.name] = _checked(cls, f.name, _convert(_hints(cls)[f.name], data[f.name], key_path), key_path)
+        except ConfigError as exc:
+            problems += str(exc).splitlines()
+    if problems:
+        raise ConfigError("\n".join(problems))
     return cls(**values)
+
+
+def _checked(cls: type, name: str, value: Any, key_path: str) -> Any:
+    """``value`` after the range check of ``cls``'s field ``name``, if it has one. Raises
+    ConfigError naming ``key_path``."""
+    check = CHECKS.get((cls, name))
+    if check is None or value is None:
+        return value
+    try:
+        return check(value)
+    except Reject as exc:
+        where = key_path if exc.index is None else f"{key_path}[{exc.index}]"
+        if exc.problem:
+            raise ConfigError(f"{where}: {exc.problem}") from None
+        shown = value if exc.index is None else value[exc.index]
+        got = "a key that is not shown" if exc.secret else _show(shown)
+        raise ConfigError(f"{where}: expected {exc}, got {got}") from None
 
 
 def _check_unique_replicas(config: GatewayConfig) -> None:
@@ -214,7 +233,8 @@ def config_from_dict(data: Mapping[str, Any]) -> GatewayConfig:
     """Build and validate a ``GatewayConfig`` from a nested mapping shaped like the YAML file.
 
     Raises:
-        ConfigError: naming the key path of the first problem found.
+        ConfigError: naming the key path of each problem found, one a line (those checked
+            across keys once every key is well formed).
     """
     if not isinstance(data, Mapping):
         raise ConfigError(f"(top level): expected a mapping, got {_show(data)} "

@@ -8,6 +8,8 @@ wording can improve without breaking them.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -190,3 +192,17 @@ def test_replicas_come_from_dns_or_from_the_kubernetes_api_not_both():
     for dns in ({"dns": "vllm"}, {"prefill_dns": "vllm-prefill"}):
         with pytest.raises(ConfigError, match=r"^discovery\.kubernetes\.label_selector: .* not both"):
             config_from_dict({"discovery": {**dns, "kubernetes": {"label_selector": "app=vllm"}}})
+
+
+def test_every_problem_of_a_file_is_named_each_on_its_own_line(tmp_path):
+    path = tmp_path / "gateway.yaml"
+    path.write_text("routing:\n  load_factr: 2\n  virtual_nodes: 0\nreplicas:\n  - http://a:8000/v1\n"
+                    "  - {url: http://b:8000, weight: -1}\nhealth: {interval_s: fast}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    lines = str(info.value).splitlines()
+    assert [line.split(": ")[0] for line in lines] == ["replicas[0].url", "replicas[1].weight", "routing.load_factr",
+                                                       "routing.virtual_nodes", "health.interval_s"], lines
+    out = subprocess.run([sys.executable, "-m", "prefix_router.cli", "serve", "--config", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [f"prefix-router serve: {line}" for line in lines]
