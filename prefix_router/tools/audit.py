@@ -3,9 +3,24 @@ a client rewrote text it had sent before, and say what each cost and how to fix 
 
 Input: a request log (``replay/workloads.load_request_log``): OpenAI request bodies one a line,
 optionally with a ``session`` field, or the gateway's request log written with
-``request_log_bodies: true``. Requests are grouped into conversations as the gateway groups
-them (session, else model, cache salt and first user message) and taken in the order they
-were answered (their lines' ``t``), else in file order.
+``request_log_bodies: true``. Requests are taken in the order they were answered (their lines'
+``t``), else in file order, and grouped into conversations, each named in the report
+(``_Conversations``), by the first of:
+
+- the line's ``session`` (or ``session_id``) field, or the gateway log's ``conversation`` (the
+  gateway's session key, from ``X-Session-ID`` or the like, kept out of its log as a 16-hex-digit
+  tag, so named by that tag): named by it;
+- the body's OpenAI ``user`` (else Anthropic's ``metadata.user_id``), which the gateway keys a
+  session by when no header names one (``serve/inbound._session_key``), also where the gateway
+  log's tag is of that key: named ``user:<user>``, and split by first user message
+  (``user:<user> #2`` for the second), because ``user`` names an end user, not a conversation
+  (OpenAI: "a unique identifier representing your end-user"), and a user's new chat is no break
+  of the last one (the gateway keeps one user on one replica, which is right for routing);
+- nothing: model, cache salt and first user message, as the gateway groups them
+  (``analysis.conversation_id``), named by that hash (``u:`` and a 64-bit number); a completion
+  without a session or ``user`` is a conversation of its own, named ``#<line>``.
+
+No prompt text is printed: names are what the client sent as ids, or hashes.
 
 For each request, with one prefix cache of unbounded size in front of everything before it
 (the best APC could do; a real KV cache evicts and a router may split conversations, so real
@@ -33,8 +48,9 @@ from prefix_router.cache.blocks import BlockHash
 from prefix_router.misses.diagnosis import FIXES, Cause, RequestPrint, explain, fingerprint
 from prefix_router.constants import CHAR_BLOCK_SIZE, VLLM_BLOCK_SIZE
 from prefix_router.misses.classify import TAIL_BLOCKS
-from prefix_router.prompts.analysis import analyze
-from prefix_router.tools.replay.workloads import CHAT, load_request_log
+from prefix_router.misses.request_log import conversation_tag
+from prefix_router.prompts.analysis import analyze, conversation_id
+from prefix_router.tools.replay.workloads import CHAT, ReplayRequest, load_request_log
 
 __all__ = ["Break", "ConversationReport", "audit", "add_parser"]
 
@@ -64,7 +80,8 @@ class Break:
 class ConversationReport:
     """One conversation's requests and breaks; token counts summed over its requests."""
 
-    id: str
+    id: str  # the name: a session id, ``user:<user>``, or a hash where the client sent neither
+    grouped_by: str  # "session", "user", or "prompt" (model, salt and first user message)
     requests: int = 0
     prompt_tokens: int = 0
     reused_tokens: int = 0
@@ -72,7 +89,7 @@ class ConversationReport:
     breaks: list[Break] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {"id": self.id, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
+        return {"id": self.id, "grouped_by": self.grouped_by, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
                 "reused_tokens": self.reused_tokens, "reused_if_fixed": self.reused_if_fixed,
                 "breaks": [b.as_dict() for b in self.breaks]}
 
@@ -86,6 +103,46 @@ def _leading(hashes: list[BlockHash], known) -> int:
     return n
 
 
+def _user(body: dict) -> str | None:
+    """The body's OpenAI ``user``, else Anthropic's ``metadata.user_id``, as the gateway reads it
+    for a session key (``serve/inbound._session_key``): a non-empty string, at most 256 characters."""
+    user = body.get("user")
+    metadata = body.get("metadata")
+    if user is None and isinstance(metadata, dict):
+        user = metadata.get("user_id")
+    return user[:256] if isinstance(user, str) and user else None
+
+
+class _Conversations:
+    """Which conversation a request belongs to, and its name (the module docstring's rules)."""
+
+    def __init__(self) -> None:
+        self.names: dict[tuple, str] = {}  # grouping key -> name, in order of first request
+        self.per_user: dict[str, int] = {}  # conversations named so far for each ``user``
+
+    def of(self, request: ReplayRequest) -> tuple[tuple, str]:
+        """(grouping key, name) of ``request``; its ``session`` is the line's, else the loader's
+        hash (``load_request_log``), which counts as none here."""
+        body, line = request.body, request.meta["line"]
+        hashed = conversation_id(body, None)  # "" for a completion
+        session = request.session if request.session not in (hashed, f"#{line}") else None
+        user = _user(body)
+        # a gateway log's tag of the ``user`` key or of the hash: the client sent no session id
+        if session is not None and session not in (conversation_tag(f"user:{user}") if user else None,
+                                                   conversation_tag(hashed)):
+            key, name = ("session", session), session
+        elif user is not None:
+            key = ("user", user, hashed)  # a completion has no first user message: one per user
+            if key not in self.names:
+                count = self.per_user[user] = self.per_user.get(user, 0) + 1
+                self.names[key] = f"user:{user}" + (f" #{count}" if count > 1 else "")
+            return key, self.names[key]
+        else:
+            name = hashed or f"#{line}"
+            key = ("prompt", name)
+        return key, self.names.setdefault(key, name)
+
+
 def audit(path: str, tokenizer=None, block_size: int = VLLM_BLOCK_SIZE) -> dict:
     """Audit the request log at ``path`` (see the module docstring); returns the JSON report:
     ``unit`` ("tokens" or "estimated tokens"), ``totals``, ``by_cause`` and ``conversations``.
@@ -96,28 +153,30 @@ def audit(path: str, tokenizer=None, block_size: int = VLLM_BLOCK_SIZE) -> dict:
     exact = tokenizer is not None
     per_unit = 1 if exact else CHARS_PER_TOKEN  # units (tokens or characters) per token
     seen: set[BlockHash] = set()  # every block computed so far: an unbounded prefix cache
-    last: dict[str, tuple[list[BlockHash], RequestPrint]] = {}
-    reports: dict[str, ConversationReport] = {}
+    last: dict[tuple, tuple[list[BlockHash], RequestPrint]] = {}
+    reports: dict[tuple, ConversationReport] = {}
+    conversations = _Conversations()
     for request in requests:
+        key, name = conversations.of(request)
         chat = request.path == CHAT
         info = analyze(request.body, chat, tokenizer, block_size, CHAR_BLOCK_SIZE, request.session)
         unit = block_size if info.exact else CHAR_BLOCK_SIZE
         reusable = max((info.num_units - 1) // unit, 0)  # vLLM never serves the last token from cache
         now = min(_leading(info.hashes, seen), reusable)
         fixed = now
-        report = reports.setdefault(request.session, ConversationReport(request.session))
-        previous = last.get(request.session)
+        report = reports.setdefault(key, ConversationReport(name, key[0]))
+        previous = last.get(key)
         printed = fingerprint(request.body, previous[1] if previous else None)
         if previous is not None:
             shared = _leading(info.hashes, set(previous[0]))
             if shared < min(len(previous[0]), reusable) - TAIL_BLOCKS:  # departs inside what the previous request sent
                 fixed = max(now, min(len(previous[0]), reusable))
                 change = explain(previous[1], printed, None)
-                report.breaks.append(Break(request.meta["line"], request.turn, change.cause, change.message_index,
+                report.breaks.append(Break(request.meta["line"], report.requests, change.cause, change.message_index,
                                            change.role, shared * unit // per_unit, change.detail,
                                            (fixed - now) * unit // per_unit))
         seen.update(info.hashes)
-        last[request.session] = (info.hashes, printed)
+        last[key] = (info.hashes, printed)
         report.requests += 1
         report.prompt_tokens += info.num_units // per_unit
         report.reused_tokens += now * unit // per_unit
@@ -176,7 +235,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "written with request_log_bodies) and report, per conversation and in total, "
                                    "reused tokens now and if every break were fixed, and each break's cause, "
                                    "position and fix.")
-    p.add_argument("file", help="JSONL: one request body a line (optional 'session' field), or a gateway request log")
+    p.add_argument("file", help="JSONL: one request body a line, or a gateway request log; conversations grouped "
+                                "and named by a 'session' field, else the body's 'user' (split by first user "
+                                "message), else a hash of the first user message")
     p.add_argument("--tokenizer", default=None,
                    help="the served model's tokenizer folder: exact tokens (default: 4 characters a token)")
     p.add_argument("--block-size", type=int, default=VLLM_BLOCK_SIZE, help="tokens per KV block (with --tokenizer)")

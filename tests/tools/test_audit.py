@@ -11,6 +11,8 @@ import pytest
 
 from prefix_router.tools.audit import audit
 from prefix_router.misses.diagnosis import FIXES
+from prefix_router.misses.request_log import conversation_tag
+from prefix_router.prompts.analysis import conversation_id
 from prefix_router.prompts.tokenizer import ByteTokenizer
 
 from ..misses.test_diagnosis import BREAK_AT, plant, sessions
@@ -18,14 +20,17 @@ from ..misses.test_diagnosis import BREAK_AT, plant, sessions
 KINDS = ["timestamp", "tools_reordered", "keys_shuffled", "trimmed", "retrieval"]
 
 
-def write_log(path, with_session: bool = True) -> dict[str, list[tuple[int, str, int]]]:
+def write_log(path, with_session: bool = True, fields=None) -> dict[str, list[tuple[int, str, int]]]:
     """The clean sessions and one mutated copy per kind, one request body a line; returns, per
-    session, the breaks planted: (turn, cause, message index)."""
+    session, the breaks planted: (turn, cause, message index). ``fields(session)``: what each
+    line carries beside its body (default: its ``session``; nothing without ``with_session``)."""
+    if fields is None:
+        fields = (lambda name: {"session": name}) if with_session else (lambda name: {})
     planted = {}
     with open(path, "w") as f:
         for n, turns in enumerate(sessions()):
             for body in turns:
-                f.write(json.dumps({**body, "session": f"clean-{n}"} if with_session else body) + "\n")
+                f.write(json.dumps({**body, **fields(f"clean-{n}")}) + "\n")
             planted[f"clean-{n}"] = []
         for kind in KINDS:
             base = sessions()[1]
@@ -33,7 +38,7 @@ def write_log(path, with_session: bool = True) -> dict[str, list[tuple[int, str,
                 next(m for m in body["messages"] if m["role"] == "user")["content"] += f" ({kind})"
             turns, cause, index = plant(base, kind)
             for body in turns:
-                f.write(json.dumps({**body, "session": kind} if with_session else body) + "\n")
+                f.write(json.dumps({**body, **fields(kind)}) + "\n")
             at = range(1, len(turns)) if kind == "timestamp" else [BREAK_AT]
             planted[kind] = [(t, cause.value, index) for t in at]
     return planted
@@ -87,6 +92,82 @@ def test_without_session_fields_conversations_are_found_as_the_gateway_finds_the
     expected = [breaks for session, breaks in planted.items() if session != "retrieval"] + [[], []]
     assert sorted(found(report).values()) == sorted(expected)
     assert report["totals"]["conversations"] == len(planted) + 1
+    # named by that hash, the client having sent no session id and no ``user``
+    bodies = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sorted(c["id"] for c in report["conversations"]) == sorted({conversation_id(b, None) for b in bodies})
+    assert {c["grouped_by"] for c in report["conversations"]} == {"prompt"}
+
+
+def by_user(planted: dict, user) -> dict[str, list[tuple[int, str, int]]]:
+    """What the audit should find when each session's lines carry ``user(session)`` and no
+    session id: the planted breaks under ``user:<user>``; the retrieval copy's inserted user
+    message changes its first user message, which starts the user's second chat (``#2``)."""
+    expected = {f"user:{user(name)}": breaks for name, breaks in planted.items() if name != "retrieval"}
+    return {**expected, f"user:{user('retrieval')}": [], f"user:{user('retrieval')} #2": []}
+
+
+def test_lines_with_a_user_field_are_grouped_and_named_by_it(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    user = lambda name: f"dev-{name}"  # noqa: E731
+    planted = write_log(path, fields=lambda name: {"user": user(name)})
+    out = subprocess.run([sys.executable, "-m", "prefix_router.cli", "audit", str(path), "--json"],
+                         capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout)
+    expected = by_user(planted, user)
+    assert found(report) == expected
+    assert {c["grouped_by"] for c in report["conversations"]} == {"user"}
+    text = subprocess.run([sys.executable, "-m", "prefix_router.cli", "audit", str(path)],
+                          capture_output=True, text=True, check=True).stdout
+    for name, breaks in expected.items():
+        assert (f"conversation {name}: " in text) == bool(breaks)
+    assert "conversation u:" not in text
+    first_user = next(m for m in sessions()[0][0]["messages"] if m["role"] == "user")["content"]
+    assert first_user not in text and first_user not in out.stdout  # ids and hashes, no prompt text
+
+
+def test_one_users_chats_interleaved_are_its_conversations_not_breaks(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    chats = sessions()
+    rows = [{**turns[t], "user": "alice"} for t in range(max(map(len, chats))) for turns in chats if t < len(turns)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    report = audit(str(path))
+    openings = list(dict.fromkeys(conversation_id(row, None) for row in rows))  # each chat's, in order of first line
+    assert len(openings) == len(chats) > 1
+    names = ["user:alice"] + [f"user:alice #{n}" for n in range(2, len(chats) + 1)]
+    assert [(c["id"], c["requests"]) for c in report["conversations"]] == [
+        (name, sum(conversation_id(row, None) == opening for row in rows)) for name, opening in zip(names, openings)]
+    assert report["totals"]["breaks"] == 0
+
+
+def test_a_session_field_wins_over_user(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    planted = write_log(path, fields=lambda name: {"session": name, "user": "alice"})  # one user, many sessions
+    report = audit(str(path))
+    assert found(report) == planted
+    assert {c["grouped_by"] for c in report["conversations"]} == {"session"}
+
+
+def test_a_gateway_log_is_grouped_by_its_conversation_tag_and_named_by_user_where_it_keyed_one(tmp_path):
+    """The gateway logs its session key as a tag only: a tag of ``user:<user>`` is the body's
+    ``user`` (grouped and named as above); another tag (a session header) is kept and named as
+    logged; a tag of the first-user-message hash is what a line without one gets."""
+    path = tmp_path / "requests.jsonl"
+    chats = sessions()
+    header_tag = conversation_tag("a session header's value")
+    user_turns, cause, index = plant(chats[0], "tools_reordered")  # the tool list reordered at BREAK_AT
+    rows = [{"t": float(t), "path": "/v1/chat/completions", "body": {**body, "user": "alice"},
+             "conversation": conversation_tag("user:alice")} for t, body in enumerate(user_turns)]
+    rows += [{"t": float(t), "path": "/v1/chat/completions", "body": {**body, "user": "bob"}, "conversation": header_tag}
+             for t, body in enumerate(chats[1])]
+    rows += [{"t": float(t), "path": "/v1/chat/completions", "body": body,
+              "conversation": conversation_tag(conversation_id(body, None))} for t, body in enumerate(chats[-1][:2])]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    report = audit(str(path))
+    got = {c["id"]: (c["grouped_by"], c["requests"]) for c in report["conversations"]}
+    assert got == {"user:alice": ("user", len(user_turns)), header_tag: ("session", len(chats[1])),
+                   conversation_id(chats[-1][0], None): ("prompt", 2)}
+    assert found(report) == {"user:alice": [(BREAK_AT, cause.value, index)], header_tag: [],
+                             conversation_id(chats[-1][0], None): []}
 
 
 def test_exact_token_positions_lie_inside_the_changed_message(tmp_path):
