@@ -44,6 +44,9 @@ class Record:
     error: str | None
     replica: str | None  # from the gateway's response header, when present
     replica_ttft_s: float | None = None  # the simulated replica's own part of ttft_s (its ``sim_ttft_s``)
+    # the simulated replica's time to the first token in modelled seconds, machine load left out
+    # (its ``sim_modelled_ttft_s``)
+    replica_modelled_ttft_s: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -80,7 +83,7 @@ async def _send(http: aiohttp.ClientSession, target: str, model: str | None, str
                 record.ttft_s = record.latency_s = time.perf_counter() - start
                 _usage(record, data.get("usage"))
                 return
-            own = None  # the simulator's time to its first token, on the event that carried it
+            own = modelled = None  # the simulator's times to its first token, on the event that carried it
             async for raw in resp.content:
                 if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
                     continue
@@ -88,11 +91,12 @@ async def _send(http: aiohttp.ClientSession, target: str, model: str | None, str
                 if "error" in event:
                     record.error = json.dumps(event["error"])[:500]
                 own = event.get("sim_ttft_s", own)
+                modelled = event.get("sim_modelled_ttft_s", modelled)
                 for choice in event.get("choices") or ():
                     text = choice.get("text") or (choice.get("delta") or {}).get("content")
                     if text and record.ttft_s is None:
                         record.ttft_s = time.perf_counter() - start
-                        record.replica_ttft_s = own
+                        record.replica_ttft_s, record.replica_modelled_ttft_s = own, modelled
                 _usage(record, event.get("usage"))
             record.latency_s = time.perf_counter() - start
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:

@@ -90,12 +90,15 @@ class Answer:
         data = json.dumps({"type": kind, "sequence_number": self.sequence - 1, **fields}, separators=(",", ":"))
         return f"event: {kind}\ndata: {data}\n\n"
 
-    def chunk(self, index: int, text: str, finish_reason: str | None, own_ttft_s: float | None) -> str:
+    def chunk(self, index: int, text: str, finish_reason: str | None, own_ttft_s: float | None,
+              modelled_ttft_s: float | None = None) -> str:
         """The events for sequence ``index``'s new ``text`` (its ``finish_reason`` when it ended);
-        ``own_ttft_s``: the replica's own time to the first token, on the first event with tokens
-        (``sim_ttft_s``, see ``server.py``)."""
+        ``own_ttft_s`` and ``modelled_ttft_s``: the replica's own time to the first token, wall and
+        modelled seconds, on the first event with tokens (``sim_ttft_s`` and
+        ``sim_modelled_ttft_s``, see ``server.py``)."""
+        own = _own(own_ttft_s, modelled_ttft_s)
         if self.kind == RESPONSES:
-            return self._responses_chunk(text, own_ttft_s)
+            return self._responses_chunk(text, own)
         head = {"id": self.rid, "object": "chat.completion.chunk" if self.kind == CHAT else "text_completion",
                 "created": self.created, "model": self.model}
         out = ""
@@ -108,10 +111,9 @@ class Answer:
         else:
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
         self.opened.add(index)
-        own = {"sim_ttft_s": round(own_ttft_s, 6)} if own_ttft_s is not None else {}
         return out + _data({**head, "choices": [choice], **own})
 
-    def _responses_chunk(self, text: str, own_ttft_s: float | None) -> str:
+    def _responses_chunk(self, text: str, own: dict) -> str:
         out = ""
         if not self.opened:
             self.opened.add(0)
@@ -121,7 +123,6 @@ class Answer:
                                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
         if text:
             self.text += text
-            own = {"sim_ttft_s": round(own_ttft_s, 6)} if own_ttft_s is not None else {}
             out += self._event("response.output_text.delta", item_id=self.item, output_index=0, content_index=0,
                                delta=text, logprobs=[], **own)
         return out
@@ -153,6 +154,16 @@ class Answer:
             out += _data({"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                           "choices": [], "usage": usage_of(children, self.cached)})
         return out + "data: [DONE]\n\n"
+
+
+def _own(own_ttft_s: float | None, modelled_ttft_s: float | None) -> dict:
+    """The simulator's own fields of a first event with tokens (none on the others)."""
+    out = {}
+    if own_ttft_s is not None:
+        out["sim_ttft_s"] = round(own_ttft_s, 6)
+    if modelled_ttft_s is not None:
+        out["sim_modelled_ttft_s"] = round(modelled_ttft_s, 6)
+    return out
 
 
 def _data(event: dict) -> str:

@@ -9,7 +9,12 @@ than the wall clock and is what ``/metrics`` histograms report.
 
 Steps that fall behind the wall clock run back to back (yielding to the event loop every
 ``YIELD_EVERY_S``), so a fleet on a small machine degrades into "slower than modelled" rather than
-dropping work; ``lag_s`` says by how much.
+dropping work; ``lag_s`` says by how much. The modelled clock then follows the wall clock: the
+next step starts at the wall clock's modelled time, so the times ``/metrics`` reports include the
+time the process fell behind (times ``time_scale``). ``busy_s`` does not: it sums the modelled
+durations of the steps run, and a request's ``modelled_ttft_s`` is the part of it the request
+waited through (the rest of the step in flight when it arrived, the steps ahead of it, its own
+prefill), the same on a loaded machine as on an idle one.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._wall_origin = self._loop.time()
         self._clock_s = 0.0  # modelled time at the end of the last step
+        self.busy_s = 0.0  # modelled seconds of the steps run, the one in flight included
         self._wake = asyncio.Event()
         self.lag_s = 0.0  # how far the modelled clock ran behind the wall clock, at most
         self.publisher = None  # a kv_events.EventPublisher: each step's KV events go out through it
@@ -53,8 +59,11 @@ class Engine:
         return (self._loop.time() - self._wall_origin) * self.config.time_scale
 
     def submit(self, request: SimRequest) -> None:
-        """Queue a request at the current modelled time."""
-        request.arrival_s = max(self.now_s(), self._clock_s)
+        """Queue a request at the current modelled time; on the busy clock, it arrived the rest of
+        the step in flight (none when the loop is behind) before that step ends."""
+        now_s = self.now_s()
+        request.arrival_s = max(now_s, self._clock_s)
+        request.busy_at_arrival_s = self.busy_s - max(self._clock_s - now_s, 0.0)
         self.scheduler.add(request)
         self._wake.set()
 
@@ -91,8 +100,10 @@ class Engine:
                 continue
             for request in step.admitted:
                 metrics.on_scheduled(request, start_s)
-            self._clock_s = start_s + config.step_seconds(step.num_prefill_tokens, step.num_decode_context_tokens,
-                                                          step.num_loaded_tokens)
+            duration = config.step_seconds(step.num_prefill_tokens, step.num_decode_context_tokens,
+                                           step.num_loaded_tokens)
+            self._clock_s = start_s + duration
+            self.busy_s += duration
             now = self._loop.time()
             delay = self._wall_origin + self._clock_s / config.time_scale - now
             if delay > 0:
@@ -105,6 +116,7 @@ class Engine:
                     last_yield = self._loop.time()
             for request in scheduler.finish_step(step, self._clock_s):
                 if request.num_output_tokens == 1:
+                    request.modelled_ttft_s = self.busy_s - request.busy_at_arrival_s
                     metrics.on_first_token(request)
                 if request.finish_reason is not None:
                     metrics.on_finish(request)

@@ -47,6 +47,9 @@ class SimRequest:
     decode replica pulled from a prefill replica (computed without prefill work, as vLLM's
     ``get_num_new_matched_tokens`` reports them), and ``hold_blocks``, a prefill leg whose
     blocks stay held when it finishes, for a decode replica to pull (``Scheduler.held``).
+
+    The engine (``engine.py``) sets ``modelled_ttft_s`` at the first token: modelled seconds of
+    the engine steps the request waited through, from ``busy_at_arrival_s`` on its busy clock.
     """
 
     __slots__ = (
@@ -54,6 +57,7 @@ class SimRequest:
         "blocks", "num_computed_tokens", "num_cached_blocks", "num_cached_tokens",
         "num_preemptions", "arrival_s", "first_token_s", "finish_s", "finish_reason",
         "seed", "on_update", "model", "cache_salt", "num_external_tokens", "hold_blocks",
+        "busy_at_arrival_s", "modelled_ttft_s",
     )
 
     def __init__(
@@ -86,6 +90,8 @@ class SimRequest:
         self.on_update = None  # callable(), set by whoever streams the output; the engine calls it
         self.num_external_tokens = 0
         self.hold_blocks = False
+        self.busy_at_arrival_s = 0.0
+        self.modelled_ttft_s: float | None = None
 
     @property
     def num_tokens(self) -> int:

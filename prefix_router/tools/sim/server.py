@@ -17,11 +17,12 @@ One difference by design: when a stream falls behind the engine, the tokens gene
 its last write go out as one SSE event (vLLM sends one event per engine step). Clients see the
 same text and the same final usage; only the number of events differs.
 
-One addition: a stream's first event with tokens carries ``sim_ttft_s``, the replica's own time to
-those tokens (wall seconds from the request's submission to its engine, so queueing and prefill;
-multiply by the time scale for modelled seconds). OpenAI clients ignore a field they do not know;
-the replay client records it (``Record.replica_ttft_s``) so that a benchmark can scale only the
-replica's part of a time to first token and count the client's and the router's as timed.
+Two additions: a stream's first event with tokens carries ``sim_ttft_s``, the replica's own time to
+those tokens (wall seconds from the request's submission to its engine, so queueing and prefill),
+and ``sim_modelled_ttft_s``, that span in modelled seconds from the engine's step durations
+(``Engine.busy_s``: not the time the process fell behind, so machine load does not move it).
+Clients ignore fields they do not know; the replay client records both (``Record``) for
+benchmarks that scale only the replica's part of a TTFT, and for the demo. vLLM sends neither.
 """
 
 from __future__ import annotations
@@ -216,11 +217,12 @@ async def _stream(request, children: list[SimRequest], wake: _Stream, answer: An
             ended = child.finish_reason is not None
             if not tokens and not ended:
                 continue
-            own = None
+            own = modelled = None
             if tokens and not timed:
-                own, timed = time.perf_counter() - submitted, True
+                own, modelled, timed = time.perf_counter() - submitted, child.modelled_ttft_s, True
             sent[i] = -1 if ended else sent[i] + len(tokens)
-            out.append(answer.chunk(i, "".join(decode(t) for t in tokens), child.finish_reason if ended else None, own))
+            out.append(answer.chunk(i, "".join(decode(t) for t in tokens), child.finish_reason if ended else None, own,
+                                    modelled))
         if all(s < 0 for s in sent):
             out.append(answer.end(children))
             await response.write("".join(out).encode())

@@ -40,6 +40,9 @@ async def test_replay_records_every_request_with_usage_and_timings(sim_url, stre
             assert record.ttft_s == record.latency_s
         # a stream says the replica's own part of the TTFT; a body in one piece does not
         assert (0 < record.replica_ttft_s <= record.ttft_s) if stream else record.replica_ttft_s is None
+        # ... in modelled seconds too: at least the step that computed its last prompt token
+        modelled = record.replica_modelled_ttft_s
+        assert (modelled >= SIM.step_seconds(1, 0)) if stream else modelled is None
         assert record.prompt_tokens == len(ByteTokenizer().render_chat(req.body["messages"]))
         assert record.completion_tokens == 6
         assert 0 <= record.cached_tokens < record.prompt_tokens

@@ -39,3 +39,14 @@ def test_a_responses_stream_numbers_its_events_and_closes_with_the_text_it_sent(
     assert events[-1]["type"] == "response.completed"
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == "hello"
     assert events[-1]["response"]["usage"]["output_tokens"] == 2
+
+
+def test_the_first_event_with_tokens_carries_the_simulators_own_times_and_no_other_does():
+    for kind in ("completion", "chat", "responses"):
+        answer = Answer(kind, "x-1", "m", False)
+        first, later = answer.chunk(0, "he", None, 0.0123456789, 0.25), answer.chunk(0, "llo", None, None, None)
+        events = [json.loads(line[6:]) for line in first.split("\n") if line.startswith("data: ")]
+        timed = [e for e in events if "sim_ttft_s" in e]
+        assert len(timed) == 1, kind  # on the event with the text (a chat's role chunk goes first)
+        assert (timed[0]["sim_ttft_s"], timed[0]["sim_modelled_ttft_s"]) == (0.012346, 0.25)
+        assert "sim_ttft_s" not in later and "sim_modelled_ttft_s" not in later

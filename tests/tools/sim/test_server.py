@@ -169,8 +169,11 @@ async def test_a_streamed_chat_sends_its_role_chunk_with_the_first_token_after_t
     assert second["choices"][0]["delta"]["content"], "the first token comes with the role chunk"
     # ... and tells its own time to it, which a benchmark scales apart from the routers' time
     assert prefill_s <= second["sim_ttft_s"] <= waited, (prefill_s, second["sim_ttft_s"], waited)
+    # ... and its modelled time to it: the one prefill step, whatever the machine's load
+    assert second["sim_modelled_ttft_s"] == pytest.approx(prefill_s, abs=1e-6)
     third = json.loads((await resp.content.readuntil(b"\n\n"))[len(b"data: "):])
     assert third["choices"][0]["delta"]["content"] and "sim_ttft_s" not in third
+    assert "sim_modelled_ttft_s" not in third
     resp.close()
 
 
