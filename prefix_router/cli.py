@@ -140,7 +140,10 @@ def _gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, choices=POLICIES)
     p.add_argument("--tokenizer", default=None,
                    help="the served model's tokenizer: a folder, or a model id in the local Hugging Face cache "
-                        "(exact token blocks; nothing is downloaded)")
+                        "(exact token blocks; nothing is downloaded without --tokenizer-download)")
+    p.add_argument("--tokenizer-download", action="store_true", default=None,
+                   help="fetch a --tokenizer model id missing from the local Hugging Face cache from the Hub at start "
+                        "(its tokenizer files alone; never with HF_HUB_OFFLINE=1)")
     p.add_argument("--discover", default=None, metavar="DNS_NAME",
                    help="also take as replicas every address this name resolves to, e.g. the "
                         "headless Service of the vLLM pods (discovery.dns)")
@@ -188,17 +191,15 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     from prefix_router.app import create_app
     from prefix_router.config import ConfigError, load_config
-    from prefix_router.prompts.tokenizer import HFTokenizer
+    from prefix_router.prompts.tokenizer import HFTokenizer, fetch_tokenizer
     from prefix_router.workers import port_problem, supervise, worker_index
 
     name = "prefix-router serve" if args.grpc_port is None else "prefix-router epp"
     try:
-        config = load_config(args.config, overrides=_serve_overrides(args))
-        if not (config.replicas or config.discovery.dns or config.discovery.prefill_dns
-                or config.discovery.kubernetes.label_selector):
-            raise ConfigError("replicas: at least one replica is needed (--replica URL, --discover DNS_NAME "
-                              "or the config file)")
+        config = _with_replicas(load_config(args.config, overrides=_serve_overrides(args)))
         worker = worker_index()
+        if config.tokenizer_download and worker is None:  # once, before any worker starts
+            fetch_tokenizer(config.tokenizer)
         if config.workers > 1 and worker is None:
             return supervise(sys.argv[1:], config.workers, config.drain_s, config.host, config.port)
         problem = port_problem(config.host, config.port) if worker is None else None
@@ -250,10 +251,22 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_replicas(config):
+    """``config``, or ConfigError where it names no replica and no way to find one."""
+    from prefix_router.config import ConfigError
+
+    if not (config.replicas or config.discovery.dns or config.discovery.prefill_dns
+            or config.discovery.kubernetes.label_selector):
+        raise ConfigError("replicas: at least one replica is needed (--replica URL, --discover DNS_NAME "
+                          "or the config file)")
+    return config
+
+
 def _serve_overrides(args: argparse.Namespace) -> dict:
     """The command line's settings of ``serve`` and ``epp``, as overrides of the config file."""
     overrides: dict = {}
-    for key in ("host", "port", "tokenizer", "request_log", "request_log_bodies", "request_log_blocks", "workers"):
+    for key in ("host", "port", "tokenizer", "tokenizer_download", "request_log", "request_log_bodies",
+                "request_log_blocks", "workers"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
     if args.replica or args.prefill or args.decode:

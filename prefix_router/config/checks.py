@@ -258,6 +258,7 @@ CHECKS: dict[tuple[type, str], _Check] = {
     (GatewayConfig, "host"): _non_empty,
     (GatewayConfig, "port"): _bounded(0, 65535),
     (GatewayConfig, "tokenizer"): _non_empty,
+    (GatewayConfig, "summary_interval_s"): _FINITE_NON_NEGATIVE,  # 0: no summary line
 }
 
 # Settings that earlier releases had, with what replaced them.

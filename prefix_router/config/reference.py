@@ -3,8 +3,8 @@
 ``python -m prefix_router.config.reference`` prints the markdown that sits between the page's
 markers; ``--write docs/configuration.md`` puts it there. ``tests/test_docs.py`` fails when the
 page differs from what this prints, so the reference follows the schema without a hand-kept
-list of fields: every key comes from the dataclasses of ``schema.py`` (walked from
-``GatewayConfig``), its meaning from the comment above or beside its field (read with
+list of fields: every key comes from the dataclasses of ``schema.py`` and ``routing_schema.py``
+(walked from ``GatewayConfig``), its meaning from the comment above or beside its field (read with
 ``tokenize``, since comments are not in the syntax tree), its default from the dataclass, what it
 accepts from its type annotation and from the value check ``load.py`` applies
 (``checks.CHECKS``, asked with a value every check refuses), and the shorthand and removed keys
@@ -30,7 +30,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from prefix_router.config import checks, schema
+from prefix_router.config import checks, routing_schema, schema
 
 __all__ = ["BEGIN", "END", "field_comments", "reference", "splice"]
 
@@ -224,10 +224,11 @@ def _is_section(tp: Any) -> bool:
 
 
 def reference(source: str | None = None) -> str:
-    """The reference's markdown, from ``schema.py``'s text (``source``: that text, for tests)."""
-    if source is None:
-        source = Path(schema.__file__).read_text(encoding="utf-8")
-    comments = field_comments(source)
+    """The reference's markdown, from the text of ``schema.py`` and ``routing_schema.py``
+    (``source``: one text holding every class, for tests)."""
+    sources = [source] if source is not None else [Path(m.__file__).read_text(encoding="utf-8")
+                                                   for m in (schema, routing_schema)]
+    comments = {name: groups for text in sources for name, groups in field_comments(text).items()}
     sections = _sections(schema.GatewayConfig, "")
     out = ["Generated from `prefix_router/config/schema.py` by `python -m prefix_router.config.reference`;",
            "each meaning is the comment on its field there. \"accepts\" is what the loader checks; a",

@@ -39,7 +39,13 @@ from prefix_router.prompts.chat_template import (TEMPLATE_ARGS, ChatFormatError,
 from prefix_router.constants import TOKENIZER_CACHE_TOKENS
 
 __all__ = ["PromptTokenizer", "HFTokenizer", "ByteTokenizer", "ChatFormatError", "KnownPrefix", "Tokens",
-           "load_tokenizer", "normalize_messages", "normalize_tools"]
+           "load_tokenizer", "fetch_tokenizer", "normalize_messages", "normalize_tools"]
+
+# What a tokenizer needs of a model's repository on the Hugging Face Hub, and no weights: the
+# files ``AutoTokenizer`` reads (tokenizer.json, tokenizer_config.json, the slow tokenizers'
+# vocab/merges/sentencepiece model) and config.json, which names the tokenizer class of some.
+TOKENIZER_FILES = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*", "merges.txt",
+                   "*.tiktoken", "spiece.model", "config.json", "chat_template*"]
 
 
 class KnownPrefix:
@@ -128,8 +134,8 @@ class HFTokenizer:
                 raise OSError(f"tokenizer: the folder {path} holds no tokenizer transformers can load: it needs "
                               f"the model's tokenizer.json and tokenizer_config.json (it has {files})") from None
             raise OSError(f"tokenizer: no folder {path}, and no model of that id in the local Hugging Face "
-                          "cache (the gateway downloads nothing: give the folder of the model's tokenizer files)"
-                          ) from None
+                          "cache (give the folder of the model's tokenizer files, or let the gateway fetch them: "
+                          "--tokenizer-download, tokenizer_download: true)") from None
         self._backend = self._tok.backend_tokenizer
         # tokenizers >= 0.20's ``encode_batch_fast`` gives the same ids without the offsets that
         # nothing here reads, in about two thirds of ``encode``'s time (docs/performance-notes.md)
@@ -316,3 +322,33 @@ class ByteTokenizer:
 def load_tokenizer(path: str | None) -> PromptTokenizer:
     """``HFTokenizer`` for a folder, ``ByteTokenizer`` for None."""
     return HFTokenizer(path) if path else ByteTokenizer()
+
+
+def fetch_tokenizer(model_id: str | None) -> None:
+    """Fetch a model's tokenizer files (``TOKENIZER_FILES``, no weights) from the Hugging Face Hub
+    into the local Hugging Face cache, where ``HFTokenizer(model_id)`` then finds them; nothing
+    when ``model_id`` is None, a folder or already cached. The Hub is ``$HF_ENDPOINT`` (default
+    huggingface.co), with ``$HF_TOKEN`` for gated models, as huggingface_hub reads them.
+
+    Raises OSError with one line naming the model and the reason: HF_HUB_OFFLINE=1 (an operator's
+    explicit offline mode: nothing is downloaded), an unknown or gated repository, no network.
+    """
+    import os
+
+    if not model_id or os.path.isdir(model_id):
+        return
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        snapshot_download(model_id, allow_patterns=TOKENIZER_FILES, local_files_only=True)
+        return
+    except Exception:  # not cached (LocalEntryNotFoundError), or not a repository id (ValueError)
+        pass
+    if constants.HF_HUB_OFFLINE:
+        raise OSError(f"tokenizer: {model_id} is not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 "
+                      "forbids downloading it: fetch it where the Hub is reachable, or give its folder")
+    try:
+        snapshot_download(model_id, allow_patterns=TOKENIZER_FILES)
+    except Exception as exc:  # huggingface_hub's HTTP errors, httpx's network errors, HFValidationError
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise OSError(f"tokenizer: could not download {model_id} from {constants.ENDPOINT}: {reason}") from None
