@@ -23,7 +23,7 @@ pod that joins is health-checked and scraped at once, so it takes traffic within
 than at the next round of checks. The readiness rule is llm-d's (``pkg/epp/util/pod/pod.go``:
 not terminating, condition Ready "True"), plus an IP. Credentials: the pod's service account in a
 cluster, else a kubeconfig; the Role it needs is ``get``, ``list`` and ``watch`` on pods
-(``deploy/kubernetes/overlays/pod-discovery/gateway-rbac.yaml``).
+(``deploy/kubernetes/components/pod-discovery/gateway-rbac.yaml``).
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def validate(doc: dict) -> None:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
-@pytest.mark.parametrize("folder", ["base", "vllm", "epp"])
+@pytest.mark.parametrize("folder", ["gateway", "base", "vllm", "epp"])
 def test_every_file_of_a_kustomization_is_listed_in_it(folder):
     listed = {n for n in yaml.safe_load((KUBE / folder / "kustomization.yaml").read_text())["resources"]
               if not n.startswith("..")}
@@ -229,6 +229,42 @@ def _overlay(name: str) -> dict[tuple[str, str], dict]:
     for doc in docs.values():
         validate(doc)
     return docs
+
+
+LEAVES = ["base", "epp", *(f"overlays/{p.name}" for p in sorted((KUBE / "overlays").iterdir()))]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) is not installed")
+@pytest.mark.parametrize("leaf", LEAVES)
+def test_one_images_entry_sets_every_gateway_container_and_no_vllm_image_fetches_a_tokenizer(leaf):
+    """What a user applies names the gateway's image in one ``images:`` entry, and the rendered
+    gateway and picker pods (their init containers included) run that image and no other."""
+    (entry,) = yaml.safe_load((KUBE / leaf / "kustomization.yaml").read_text())["images"]
+    assert entry["name"] == "prefix-router"
+    wanted = f"{entry['newName']}:{entry['newTag']}"
+    out = subprocess.run(["kubectl", "kustomize", str(KUBE / leaf)], capture_output=True, text=True, check=True).stdout
+    pods = [d["spec"]["template"]["spec"] for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"]
+    images = {c["image"] for pod in pods for c in pod.get("initContainers", []) + pod["containers"]}
+    assert pods and images == {wanted}
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) is not installed")
+def test_the_existing_pods_overlay_is_the_gateway_alone_finding_pods_by_label():
+    docs = _overlay("existing-pods")
+    assert not [k for k in docs if k[0] in ("StatefulSet", "DaemonSet", "Job")]  # no vLLM workload
+    (deployment,) = [d for k, d in docs.items() if k[0] == "Deployment"]
+    assert deployment["metadata"]["name"] == "prefix-router"
+    config = config_from_dict(yaml.safe_load(docs[("ConfigMap", "prefix-router")]["data"]["gateway.yaml"]))
+    assert config.discovery.dns is None and config.discovery.kubernetes.label_selector
+    pod = deployment["spec"]["template"]["spec"]
+    binding = docs[("RoleBinding", "prefix-router-pod-reader")]
+    assert [(s["kind"], s["name"]) for s in binding["subjects"]] == [("ServiceAccount", pod["serviceAccountName"])]
+    (init,) = pod["initContainers"]
+    assert init["image"] == pod["containers"][0]["image"]
+    env = {e["name"]: e.get("value") for e in init["env"]}
+    assert env["MODEL"] and env["HF_HUB_OFFLINE"] == "0"
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["tokenizer"] == config.tokenizer
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) is not installed")
