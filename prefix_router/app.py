@@ -5,7 +5,9 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/r
 ``GET /v1/models`` (the union of the healthy replicas'), ``GET /health`` (liveness), ``GET /ready``
 (200 once a replica is on the ring: it passed a health check and a scrape since start; else 503), ``GET /metrics``, ``GET /replicas``
 and ``GET /debug/changes?top=N`` (why clients changed their prefixes: ``misses/change_sites.py``); those two
-need an admin key once any key is configured (``tenants.py``). Every other path goes to the
+need an admin key once any key is configured (``tenants.py``), and so does ``GET /``, the status
+page for a browser (``serve/status_page.py``; a client asking for JSON there gets the replicas'
+answer, as before the page). Every other path goes to the
 replicas (``passthrough.py``: to one, or an operator's to all). Errors are OpenAI-style JSON,
 aiohttp's own 405 and 413 included, and so are the answers aiohttp's HTTP parser gives before any
 handler runs (a malformed request line, header or chunked framing: ``_JsonErrorServer``).
@@ -34,6 +36,7 @@ from prefix_router.gateway import Gateway
 from prefix_router.serve.passthrough import REPLICAS_HEADER, handle_passthrough
 from prefix_router.serve.learning import flush_waiting_lines
 from prefix_router.serve.proxy import handle_generate
+from prefix_router.serve.status_page import HEADERS as PAGE_HEADERS, render, snapshot, wants_html
 from prefix_router.fleet.replicas import check_all, poll_health, poll_metrics, scrape_once, servers
 from prefix_router.fleet.tenants import bearer
 from prefix_router.prompts.tokenizer import PromptTokenizer
@@ -114,8 +117,8 @@ def _forbidden(request: web.Request) -> web.Response:
 def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None, proxy: bool = True) -> web.Application:
     """Build the gateway application; nothing runs until the app starts. ``proxy`` False: the
     operator's endpoints only (``/health``, ``/ready``, ``/metrics``, ``/replicas``,
-    ``/debug/changes``), for the Endpoint Picker, whose HTTP port must be no way around the
-    gateway in front of it."""
+    ``/debug/changes``, the status page ``/``), for the Endpoint Picker, whose HTTP port must be
+    no way around the gateway in front of it."""
     # bodies as they came: bodies.read_body inflates gzip and deflate itself, within the limit
     app = web.Application(client_max_size=config.limits.max_body_bytes, middlewares=[_openai_errors],
                           handler_args={"auto_decompress": False})
@@ -128,6 +131,7 @@ def create_app(config: GatewayConfig, tokenizer: PromptTokenizer | None = None, 
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/replicas", _replicas)
     app.router.add_get("/debug/changes", _changes)
+    app.router.add_get("/", _root if proxy else _status)  # GET and HEAD; other methods: passthrough below
     if not proxy:
         return app
     app.router.add_post("/v1/chat/completions", _chat)
@@ -291,6 +295,22 @@ async def _replicas(request: web.Request) -> web.Response:
     if not gw.tenants.is_admin(request):
         return _forbidden(request)
     return web.json_response(gw.describe())
+
+
+async def _status(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    if not gw.tenants.is_admin(request):
+        return _forbidden(request)
+    return web.Response(text=render(snapshot(gw)), content_type="text/html", headers=PAGE_HEADERS)
+
+
+async def _root(request: web.Request) -> web.StreamResponse:
+    """``GET /`` in front of the replicas: the status page for a browser, curl and any client that
+    takes HTML; a client naming JSON (an SDK probing the base URL) gets what it got before the
+    page existed, the replicas' answer (vLLM serves no ``/``: its 404), as every other path does."""
+    if wants_html(request.headers.get("Accept")):
+        return await _status(request)
+    return await _passthrough(request)
 
 
 async def _changes(request: web.Request) -> web.Response:

@@ -6,7 +6,8 @@ role, the gateway's block where the prompts diverged). The site shows the token 
 the first change recorded there: without a tokenizer a position is an estimate from characters,
 and one break estimated a token apart in each request is still one site. Counts and lost tokens accumulate per site; at most
 ``changes.max_sites`` sites are kept (later new sites are still counted in ``by_cause`` and in
-``prefix_router_changed_total{cause}``), so memory is bounded whatever clients send.
+``prefix_router_changed_total{cause}``), so memory is bounded whatever clients send. Each site
+knows when it was last seen (``latest``: the status page's list).
 
 A site holds no prompt text: the detail names tools (API identifiers) and message counts. With
 ``changes.snippets`` on, a site also keeps a redacted excerpt of the changed message
@@ -15,7 +16,9 @@ A site holds no prompt text: the detail names tools (API identifiers) and messag
 
 from __future__ import annotations
 
+import heapq
 import re
+import time
 from dataclasses import dataclass
 
 from prefix_router.misses.diagnosis import FIXES, VOLATILE, Cause, Change, tool_name
@@ -40,6 +43,8 @@ class Site:
     lost_tokens: int = 0
     detail: str = ""  # the latest change's detail
     excerpt: str | None = None
+    last_seen: float = 0.0  # monotonic s of the latest change recorded here
+    seq: int = 0  # the table's count of changes recorded when this site's latest was: orders by recency
 
     def as_dict(self) -> dict:
         out = {"cause": self.cause.value, "message_index": self.message_index, "role": self.role,
@@ -82,6 +87,7 @@ class ChangeSites:
         self.max_sites = max_sites
         self.sites: dict[tuple[Cause, int, str, int], Site] = {}
         self.by_cause: dict[Cause, list[int]] = {cause: [0, 0] for cause in Cause}  # [count, lost tokens]
+        self.recorded = 0  # changes recorded, every cause
 
     def __len__(self) -> int:
         return len(self.sites)
@@ -94,12 +100,14 @@ class ChangeSites:
         totals[0] += 1
         totals[1] += lost_tokens
         key = (change.cause, change.message_index, change.role, token_position if block is None else block)
+        self.recorded += 1
         site = self.sites.get(key)
         if site is None:
             if len(self.sites) >= self.max_sites:
                 return None
             site = self.sites[key] = Site(change.cause, change.message_index, change.role, token_position,
                                           excerpt=excerpt)
+        site.last_seen, site.seq = time.monotonic(), self.recorded
         site.count += 1
         site.lost_tokens += lost_tokens
         site.detail = change.detail
@@ -108,6 +116,10 @@ class ChangeSites:
     def top(self, n: int = 20) -> list[Site]:
         """The ``n`` sites that lost the most tokens (then the most frequent)."""
         return sorted(self.sites.values(), key=lambda s: (-s.lost_tokens, -s.count))[:n]
+
+    def latest(self, n: int = 10) -> list[Site]:
+        """The ``n`` sites where a change was recorded last, the latest first."""
+        return heapq.nlargest(n, self.sites.values(), key=lambda s: s.seq)
 
     def view(self, n: int = 20) -> dict:
         """The ``/debug/changes`` document."""

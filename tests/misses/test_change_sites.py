@@ -117,3 +117,14 @@ def test_the_site_table_is_bounded_and_totals_keep_counting():
         sites.record(Change(Cause.KEY_ORDER, 3, "tool", "d"), position, 10)
     assert len(sites) == 2 and sites.by_cause[Cause.KEY_ORDER] == [5, 50]
     assert [s["token_position"] for s in sites.view(10)["sites"]] == [0, 1]
+
+
+def test_latest_lists_the_sites_last_seen_first():
+    """The status page's list: a site seen again moves to the front; ``n`` bounds it."""
+    sites = ChangeSites()
+    for message in (1, 2, 3):
+        sites.record(Change(Cause.HISTORY_REWRITTEN, message, "user", "d"), message * 100, 10)
+    sites.record(Change(Cause.HISTORY_REWRITTEN, 1, "user", "d"), 100, 10)
+    assert [s.message_index for s in sites.latest(10)] == [1, 3, 2]
+    assert [s.message_index for s in sites.latest(2)] == [1, 3]
+    assert sites.latest(1)[0].count == 2 and sites.latest(1)[0].last_seen >= sites.latest(2)[1].last_seen
