@@ -37,6 +37,7 @@ from prefix_router.serve.passthrough import REPLICAS_HEADER, handle_passthrough
 from prefix_router.serve.learning import flush_waiting_lines
 from prefix_router.serve.proxy import handle_generate
 from prefix_router.serve.status_page import HEADERS as PAGE_HEADERS, render, snapshot, wants_html
+from prefix_router.serve.summary import log_summaries
 from prefix_router.fleet.replicas import check_all, poll_health, poll_metrics, scrape_once, servers
 from prefix_router.fleet.tenants import bearer
 from prefix_router.prompts.tokenizer import PromptTokenizer
@@ -187,6 +188,8 @@ async def _lifecycle(app: web.Application):
         tasks.append(asyncio.create_task(follow_events(gw)))
     if pods is not None:
         tasks.append(asyncio.create_task(pods[0].run(pods[1])))
+    if config.summary_interval_s > 0:
+        tasks.append(asyncio.create_task(log_summaries(gw, config.summary_interval_s)))
     yield
     if pods is not None:
         tasks += pods[0].probes  # new pods' first checks: they use the session closed next
