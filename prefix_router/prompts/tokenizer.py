@@ -350,5 +350,5 @@ def fetch_tokenizer(model_id: str | None) -> None:
     try:
         snapshot_download(model_id, allow_patterns=TOKENIZER_FILES)
     except Exception as exc:  # huggingface_hub's HTTP errors, httpx's network errors, HFValidationError
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = str(exc).strip().splitlines()[0].removeprefix("Got: ") if str(exc).strip() else type(exc).__name__
         raise OSError(f"tokenizer: could not download {model_id} from {constants.ENDPOINT}: {reason}") from None
