@@ -9,12 +9,12 @@ than the wall clock and is what ``/metrics`` histograms report.
 
 Steps that fall behind the wall clock run back to back (yielding to the event loop every
 ``YIELD_EVERY_S``), so a fleet on a small machine degrades into "slower than modelled" rather than
-dropping work; ``lag_s`` says by how much. The modelled clock then follows the wall clock: the
-next step starts at the wall clock's modelled time, so the times ``/metrics`` reports include the
-time the process fell behind (times ``time_scale``). ``busy_s`` does not: it sums the modelled
-durations of the steps run, and a request's ``modelled_ttft_s`` is the part of it the request
-waited through (the rest of the step in flight when it arrived, the steps ahead of it, its own
-prefill), the same on a loaded machine as on an idle one.
+dropping work; ``lag_s`` says by how much. The modelled clock does not jump to catch up: a request
+is stamped with the wall clock's modelled time when it arrives, and a step admits only requests
+that arrived by its modelled start (``Scheduler.schedule``), so a request's time to first token
+(``first_token_s - arrival_s``: the rest of the step in flight, the steps queued ahead of it, its
+own prefill) is the same on a loaded machine as on an idle one, as long as its arrival is stamped
+on time; only when nothing runs does the clock move to the next arrival.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._wall_origin = self._loop.time()
         self._clock_s = 0.0  # modelled time at the end of the last step
-        self.busy_s = 0.0  # modelled seconds of the steps run, the one in flight included
         self._wake = asyncio.Event()
         self.lag_s = 0.0  # how far the modelled clock ran behind the wall clock, at most
         self.publisher = None  # a kv_events.EventPublisher: each step's KV events go out through it
@@ -58,13 +57,13 @@ class Engine:
         """Modelled seconds since start, from the wall clock."""
         return (self._loop.time() - self._wall_origin) * self.config.time_scale
 
-    def submit(self, request: SimRequest) -> None:
-        """Queue a request at the current modelled time; on the busy clock, it arrived the rest of
-        the step in flight (none when the loop is behind) before that step ends."""
+    def submit(self, *requests: SimRequest) -> None:
+        """Queue requests (the sequences of one prompt: one arrival) at the current modelled
+        time; they wait for the step in flight, if any, to end."""
         now_s = self.now_s()
-        request.arrival_s = max(now_s, self._clock_s)
-        request.busy_at_arrival_s = self.busy_s - max(self._clock_s - now_s, 0.0)
-        self.scheduler.add(request)
+        for request in requests:
+            request.arrival_s = now_s
+            self.scheduler.add(request)
         self._wake.set()
 
     def abort(self, request: SimRequest) -> None:
@@ -90,20 +89,22 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            start_s = max(self._clock_s, self.now_s())
-            step = scheduler.schedule()
+            start_s = self._clock_s
+            if not scheduler.running:  # idle until the first arrival queued
+                start_s = max(start_s, scheduler.waiting[0].arrival_s)
+            step = scheduler.schedule(start_s)
             if not step.scheduled:
-                # Nothing fits (every block held by requests that cannot run): wait for an abort.
-                self._clock_s = start_s
+                # Nothing fits (every block held by requests that cannot run): wait for an abort,
+                # a wait that passes in modelled time too.
                 self._wake.clear()
                 await self._wake.wait()
+                self._clock_s = max(start_s, self.now_s())
                 continue
             for request in step.admitted:
                 metrics.on_scheduled(request, start_s)
             duration = config.step_seconds(step.num_prefill_tokens, step.num_decode_context_tokens,
                                            step.num_loaded_tokens)
             self._clock_s = start_s + duration
-            self.busy_s += duration
             now = self._loop.time()
             delay = self._wall_origin + self._clock_s / config.time_scale - now
             if delay > 0:
@@ -116,7 +117,6 @@ class Engine:
                     last_yield = self._loop.time()
             for request in scheduler.finish_step(step, self._clock_s):
                 if request.num_output_tokens == 1:
-                    request.modelled_ttft_s = self.busy_s - request.busy_at_arrival_s
                     metrics.on_first_token(request)
                 if request.finish_reason is not None:
                     metrics.on_finish(request)

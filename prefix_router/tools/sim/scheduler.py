@@ -22,6 +22,7 @@ drives it in time.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -47,9 +48,6 @@ class SimRequest:
     decode replica pulled from a prefill replica (computed without prefill work, as vLLM's
     ``get_num_new_matched_tokens`` reports them), and ``hold_blocks``, a prefill leg whose
     blocks stay held when it finishes, for a decode replica to pull (``Scheduler.held``).
-
-    The engine (``engine.py``) sets ``modelled_ttft_s`` at the first token: modelled seconds of
-    the engine steps the request waited through, from ``busy_at_arrival_s`` on its busy clock.
     """
 
     __slots__ = (
@@ -57,7 +55,6 @@ class SimRequest:
         "blocks", "num_computed_tokens", "num_cached_blocks", "num_cached_tokens",
         "num_preemptions", "arrival_s", "first_token_s", "finish_s", "finish_reason",
         "seed", "on_update", "model", "cache_salt", "num_external_tokens", "hold_blocks",
-        "busy_at_arrival_s", "modelled_ttft_s",
     )
 
     def __init__(
@@ -90,8 +87,6 @@ class SimRequest:
         self.on_update = None  # callable(), set by whoever streams the output; the engine calls it
         self.num_external_tokens = 0
         self.hold_blocks = False
-        self.busy_at_arrival_s = 0.0
-        self.modelled_ttft_s: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -161,8 +156,11 @@ class Scheduler:
         self._finish(request, "abort", now_s)
 
     # -- one step ------------------------------------------------------------------------
-    def schedule(self) -> Step:
-        """Choose the requests and token counts of the next step (may be empty)."""
+    def schedule(self, start_s: float = math.inf) -> Step:
+        """Choose the requests and token counts of the next step (may be empty), which starts at
+        modelled time ``start_s``: a waiting request that arrives after it waits for a later step
+        (the engine runs behind the wall clock when its process is slow, and admits each arrival
+        at its own modelled time)."""
         cfg = self.config
         kv = self.kv
         step = Step()
@@ -196,6 +194,8 @@ class Scheduler:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             request = self.waiting[0]
+            if request.arrival_s > start_s:
+                break
             hit = kv.find_longest_cache_hit(request.block_hashes, request.num_tokens)
             num_hit = len(hit) * cfg.block_size
             # pulled tokens past the local hit; the last prompt token is always computed (vLLM

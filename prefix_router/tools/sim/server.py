@@ -19,10 +19,11 @@ same text and the same final usage; only the number of events differs.
 
 Two additions: a stream's first event with tokens carries ``sim_ttft_s``, the replica's own time to
 those tokens (wall seconds from the request's submission to its engine, so queueing and prefill),
-and ``sim_modelled_ttft_s``, that span in modelled seconds from the engine's step durations
-(``Engine.busy_s``: not the time the process fell behind, so machine load does not move it).
-Clients ignore fields they do not know; the replay client records both (``Record``) for
-benchmarks that scale only the replica's part of a TTFT, and for the demo. vLLM sends neither.
+and ``sim_modelled_ttft_s``, that span in modelled seconds (``first_token_s - arrival_s``, as
+``vllm:time_to_first_token_seconds`` observes it: the engine's clock, which the process's lag does
+not move; ``engine.py``). Clients ignore fields they do not know; the replay client records both
+(``Record``) for benchmarks that scale only the replica's part of a TTFT, and for the demo. vLLM
+sends neither.
 """
 
 from __future__ import annotations
@@ -159,8 +160,7 @@ async def _generate(request: web.Request, params: CompletionParams, token_ids: l
         if store:
             stored[rid] = [*(history or []), {"role": "assistant", "content": text}]
     submitted = time.perf_counter()
-    for child in children:
-        engine.submit(child)
+    engine.submit(*children)
     try:
         if not params.stream:
             while any(c.finish_reason is None for c in children):
@@ -219,7 +219,7 @@ async def _stream(request, children: list[SimRequest], wake: _Stream, answer: An
                 continue
             own = modelled = None
             if tokens and not timed:
-                own, modelled, timed = time.perf_counter() - submitted, child.modelled_ttft_s, True
+                own, modelled, timed = time.perf_counter() - submitted, child.first_token_s - child.arrival_s, True
             sent[i] = -1 if ended else sent[i] + len(tokens)
             out.append(answer.chunk(i, "".join(decode(t) for t in tokens), child.finish_reason if ended else None, own,
                                     modelled))
