@@ -34,6 +34,20 @@ def test_chunked_prefill_respects_the_token_budget():
     assert sum(sizes) == 7 * BS
 
 
+def test_a_step_admits_only_the_requests_that_arrived_by_its_start():
+    # the engine, running behind the wall clock, computes steps of the modelled past: a request
+    # that arrived later (its modelled arrival_s) waits for a step that starts after it
+    s = sched()
+    early, late = req(range(100, 100 + 2 * BS), max_tokens=1, rid="early"), req(range(300, 300 + BS), max_tokens=1, rid="late")
+    early.arrival_s, late.arrival_s = 1.0, 2.5
+    s.add(early)
+    s.add(late)
+    first = s.schedule(2.0)
+    assert [r.request_id for r, _ in first.scheduled] == ["early"]
+    assert s.finish_step(first, 2.1) == [early] and early.finish_reason == "length"
+    assert [r.request_id for r, _ in s.schedule(2.5).scheduled] == ["late"]
+
+
 def _drive(s, arrivals, stretch: bool):
     """Step ``s`` through ``arrivals`` ((step index, request)), decode-only runs at once when
     ``stretch``; what it did: each request's tokens and cached prompt, the engine's KV events,
