@@ -20,6 +20,7 @@ the page: a site holds none, and its redacted excerpt (``changes.snippets``) is 
 
 from __future__ import annotations
 
+import re
 import time
 from html import escape
 from typing import TYPE_CHECKING
@@ -54,6 +55,7 @@ HINTS = {  # by outcome label: what each asks of an operator (docs/operations.md
 }
 # the miss kinds that count lost tokens (``prefix_router_lost_tokens_total{cause}``)
 LOSING = (CacheResult.MISS_CHANGED.value, CacheResult.MISS_ROUTED.value, CacheResult.MISS_EVICTED.value)
+_QVALUE = re.compile(r"[0-9]+(?:\.[0-9]*)?", re.ASCII)  # a weight, as ``wants_html`` takes it
 _STYLE = """body{font:14px/1.35 system-ui,sans-serif;margin:1em 1.5em;color:#222}
 h1{font-size:20px;margin:0 0 .2em}h2{font-size:16px;margin:1em 0 .3em}p{margin:.2em 0}
 table{border-collapse:collapse}th,td{padding:2px 9px;border-bottom:1px solid #ddd;text-align:left}
@@ -71,7 +73,9 @@ def wants_html(accept: str | None) -> bool:
     for part in accept.lower().split(","):
         media, *params = (p.strip() for p in part.split(";"))
         q = next((p.partition("=")[2] for p in params if p.startswith("q=")), "1")
-        ranges[media] = q.replace(".", "", 1).isdigit() and float(q) > 0
+        # a weight is ASCII digits and one dot (RFC 9110 12.4.2); any other (``q=abc``, ``q=-1``,
+        # ``q=1e999``, ``q=²``, which str.isdigit takes and float() refuses) refuses the range
+        ranges[media] = _QVALUE.fullmatch(q) is not None and float(q) > 0
     if ranges.get("text/html"):
         return True
     if any(m == "application/json" or m.endswith("+json") for m in ranges):

@@ -97,6 +97,11 @@ def percent(cell: str) -> float:
     ("text/html;q=0", False), ("*/*;q=0", False), ("text/html;q=zero", False),
     ("application/json, text/html", True),  # names HTML: takes it
     ("image/png", False),
+    # weights that are no weight refuse their range, and none raises: str.isdigit takes "²" and
+    # Arabic-Indic digits, which float() refuses or reads
+    ("text/html;q=\u00b2", False), ("text/html;q=\u0663", False), ("*/*;q=\u00b9", False),
+    ("text/html;q=-1", False), ("text/html;q=1e999", False), ("text/html;q=", False), ("TEXT/HTML;Q=1", True),
+    (",".join(["image/png;q=0.1"] * 500) + ",text/html;q=0.001", True),
 ])
 def test_which_accept_headers_take_the_page(accept, html):
     assert wants_html(accept) is html
