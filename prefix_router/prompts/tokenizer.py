@@ -324,14 +324,43 @@ def load_tokenizer(path: str | None) -> PromptTokenizer:
     return HFTokenizer(path) if path else ByteTokenizer()
 
 
-def fetch_tokenizer(model_id: str | None) -> None:
+# The whole download's deadline, seconds: huggingface_hub sends its API calls without a timeout
+# (its client's is None), so a Hub or proxy that accepts and never answers, or drips a byte a
+# second, would hold the gateway's start (and a Kubernetes init container) for ever. Tokenizer
+# files are a few MB: minutes over the slowest link a gateway would fetch them on.
+FETCH_TIMEOUT_S = 180.0
+
+
+def _within(timeout_s: float, call) -> None:
+    """Run ``call()`` in a daemon thread and re-raise what it raised; TimeoutError when it has not
+    returned after ``timeout_s`` seconds (the thread is left behind: the caller is about to exit
+    with its error, and a daemon thread does not hold the process)."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, name="tokenizer-download", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"no complete answer within {timeout_s:g} s")
+    if raised:
+        raise raised[0]
+
+
+def fetch_tokenizer(model_id: str | None, timeout_s: float = FETCH_TIMEOUT_S) -> None:
     """Fetch a model's tokenizer files (``TOKENIZER_FILES``, no weights) from the Hugging Face Hub
     into the local Hugging Face cache, where ``HFTokenizer(model_id)`` then finds them; nothing
     when ``model_id`` is None, a folder or already cached. The Hub is ``$HF_ENDPOINT`` (default
     huggingface.co), with ``$HF_TOKEN`` for gated models, as huggingface_hub reads them.
 
     Raises OSError with one line naming the model and the reason: HF_HUB_OFFLINE=1 (an operator's
-    explicit offline mode: nothing is downloaded), an unknown or gated repository, no network.
+    explicit offline mode: nothing is downloaded), an unknown or gated repository, no network, no
+    complete answer within ``timeout_s`` seconds (``FETCH_TIMEOUT_S``).
     """
     import os
 
@@ -348,7 +377,7 @@ def fetch_tokenizer(model_id: str | None) -> None:
         raise OSError(f"tokenizer: {model_id} is not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 "
                       "forbids downloading it: fetch it where the Hub is reachable, or give its folder")
     try:
-        snapshot_download(model_id, allow_patterns=TOKENIZER_FILES)
+        _within(timeout_s, lambda: snapshot_download(model_id, allow_patterns=TOKENIZER_FILES))
     except Exception as exc:  # huggingface_hub's HTTP errors, httpx's network errors, HFValidationError
         reason = str(exc).strip().splitlines()[0].removeprefix("Got: ") if str(exc).strip() else type(exc).__name__
         raise OSError(f"tokenizer: could not download {model_id} from {constants.ENDPOINT}: {reason}") from None

@@ -6,6 +6,7 @@ fields and headers those read. No real Hub is reachable from CI; this speaks its
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from pathlib import Path
 
@@ -55,4 +56,17 @@ def hub_app(repos: dict[str, Path], requests: list[str]) -> web.Application:
     app.router.add_get("/api/models/{org}/{name}/revision/{rev}", info)
     app.router.add_get("/api/models/{org}/{name}/tree/{rev}", tree)
     app.router.add_route("*", "/{org}/{name}/resolve/{rev}/{file}", resolve)
+    return app
+
+
+def stalled_app(release: asyncio.Event) -> web.Application:
+    """A Hub that accepts every request and answers none until ``release`` is set (a proxy or
+    endpoint that hangs): huggingface_hub sends its API calls without a timeout."""
+
+    async def stall(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.Response(status=503)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", stall)
     return app

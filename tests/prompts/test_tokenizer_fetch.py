@@ -17,7 +17,7 @@ import pytest
 
 from prefix_router.prompts.tokenizer import TOKENIZER_FILES, HFTokenizer
 from prefix_router.tools.tiny_model import build_tokenizer
-from tests.prompts.hub_fake import hub_app
+from tests.prompts.hub_fake import hub_app, stalled_app
 
 REPO = "tiny-org/tiny-chat"
 TEXT = "The gateway hashes each prompt's leading token blocks."
@@ -96,3 +96,20 @@ async def test_offline_mode_and_an_unknown_repository_are_one_line_each(aiohttp_
         assert run.returncode == 2, run.stderr[-2000:]
         assert "Traceback" not in run.stderr and words in run.stderr, run.stderr[-2000:]
     assert not any("/resolve/" in r for r in requests)  # nothing fetched by any of them
+
+
+async def test_a_hub_that_never_answers_is_one_line_within_the_deadline(aiohttp_server, tmp_path):
+    release = asyncio.Event()
+    hub = await aiohttp_server(stalled_app(release))
+    script = ("import sys\nfrom prefix_router.prompts.tokenizer import fetch_tokenizer\n"
+              "try:\n    fetch_tokenizer(sys.argv[1], timeout_s=2)\n"
+              "except OSError as exc:\n    sys.exit(f'error: {exc}')\n")
+    started = asyncio.get_running_loop().time()
+    try:
+        run = await _run(sys.executable, "-c", script, REPO, env=_env(tmp_path, str(hub.make_url("")).rstrip("/")))
+    finally:
+        release.set()
+    assert asyncio.get_running_loop().time() - started < 60  # not the minutes huggingface_hub would wait
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines() == [f"error: tokenizer: could not download {REPO} from "
+                                               f"{str(hub.make_url('')).rstrip('/')}: no complete answer within 2 s"]
