@@ -158,9 +158,7 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------
     def schedule(self, start_s: float = math.inf) -> Step:
         """Choose the requests and token counts of the next step (may be empty), which starts at
-        modelled time ``start_s``: a waiting request that arrives after it waits for a later step
-        (the engine runs behind the wall clock when its process is slow, and admits each arrival
-        at its own modelled time)."""
+        modelled time ``start_s``: requests that arrive after it wait (see ``engine.py``)."""
         cfg = self.config
         kv = self.kv
         step = Step()
@@ -190,12 +188,10 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        while self.waiting and budget > 0 and not step.num_preempted:
+        while self.waiting and budget > 0 and not step.num_preempted and self.waiting[0].arrival_s <= start_s:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             request = self.waiting[0]
-            if request.arrival_s > start_s:
-                break
             hit = kv.find_longest_cache_hit(request.block_hashes, request.num_tokens)
             num_hit = len(hit) * cfg.block_size
             # pulled tokens past the local hit; the last prompt token is always computed (vLLM
