@@ -199,8 +199,17 @@ def _share(part: int, whole: int) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "-"
 
 
+def _shown(text: object) -> str:
+    """A client's string (session id, user, role, tool name) for a terminal: each character that
+    is not printable (a newline that would forge a report line, an ANSI escape that would recolour
+    or clear the screen, a bidi override) as its Python escape, ``\\n``, ``\\x1b``, ``\\u202e``."""
+    text = str(text)
+    return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def format_report(report: dict) -> str:
-    """The JSON report as text: totals, then each conversation with breaks, then causes."""
+    """The JSON report as text: totals, then each conversation with breaks, then causes; the
+    clients' strings through ``_shown``."""
     t, unit = report["totals"], report["unit"]
     about = "~" if unit != "tokens" else ""  # estimated: 4 characters a token
     lines = [f"{report['file']}: {t['requests']} requests in {t['conversations']} conversations, "
@@ -212,12 +221,12 @@ def format_report(report: dict) -> str:
     for c in report["conversations"]:
         if not c["breaks"]:
             continue
-        lines.append(f"conversation {c['id']}: {c['requests']} requests, reused {_share(c['reused_tokens'], c['prompt_tokens'])}"
+        lines.append(f"conversation {_shown(c['id'])}: {c['requests']} requests, reused {_share(c['reused_tokens'], c['prompt_tokens'])}"
                      f" now, {_share(c['reused_if_fixed'], c['prompt_tokens'])} if fixed")
         for b in c["breaks"]:
-            where = "the tool list" if b["message_index"] == -1 else f"message {b['message_index']} ({b['role']})"
+            where = "the tool list" if b["message_index"] == -1 else f"message {b['message_index']} ({_shown(b['role'])})"
             lines.append(f"  line {b['line']} (turn {b['turn']}): {b['cause']} at {where}, token {about}{b['token_position']:,}: "
-                         f"{b['detail']}; {about}{b['lost_tokens']:,} tokens lost")
+                         f"{_shown(b['detail'])}; {about}{b['lost_tokens']:,} tokens lost")
         lines.append("")
     if report["by_cause"]:
         lines.append("by cause:")

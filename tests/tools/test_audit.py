@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from prefix_router.tools.audit import audit
+from prefix_router.tools.audit import audit, format_report
 from prefix_router.misses.diagnosis import FIXES
 from prefix_router.misses.request_log import conversation_tag
 from prefix_router.prompts.analysis import conversation_id
@@ -196,3 +196,22 @@ def test_a_gateway_request_log_without_bodies_is_refused_with_the_reason(tmp_pat
     path.write_text("{not json\n")
     with pytest.raises(ValueError, match=":1: not JSON"):
         audit(str(path))
+
+
+@pytest.mark.parametrize("field", ["session", "user"])
+def test_a_clients_control_characters_are_escaped_in_the_text_report(tmp_path, field):
+    """A session id or user is the client's: a newline in it would forge a report line, an ANSI
+    escape would clear or recolour the operator's terminal. The text shows them escaped; the JSON
+    keeps them as sent."""
+    path = tmp_path / "requests.jsonl"
+    hostile = "\n\x1b[2J\x1b[31m\u202e<b>"
+    planted = write_log(path, fields=lambda name: {field: name + hostile})
+    report = audit(str(path))
+    assert {c["id"].removeprefix("user:").split(" #")[0] for c in report["conversations"]} == \
+        {name + hostile for name in planted}
+    text = format_report(report)
+    assert "\x1b" not in text and "\u202e" not in text
+    lines = text.splitlines()
+    assert all(line.startswith(("conversation ", "  ", "by cause:", "/", "reused", "breaks:")) for line in lines if line)
+    named = [line for line in lines if line.startswith("conversation ")]
+    assert len(named) >= 4 and all(r"\n\x1b[2J\x1b[31m\u202e<b>: " in line for line in named)
