@@ -127,7 +127,7 @@ def _sums(series: dict[str, list[tuple[dict[str, str], float]]], name: str, labe
 def snapshot(gw: Gateway, now: float | None = None) -> dict:
     """The page's figures: ``{"generated": unix s, "policy", "routing", "routable" and "known"
     (replica counts), "replicas": [{name, role, state, css, queue_depth, inflight, requests,
-    prompt_tokens, cached_tokens, predicted_tokens}], "outcomes": [{result, requests, lost_tokens}],
+    prompt_tokens, cached_tokens, predicted_tokens, outcomes: {result: requests}}], "outcomes": [{result, requests, lost_tokens}],
     "changes": [{cause, message_index, role, token_position, count, lost_tokens, seen_s_ago, fix}],
     "changes_total"}``; requests and tokens are counts since start, ``seen_s_ago`` seconds. Replicas
     in the configuration's order, then any only the metrics name (another worker's)."""
@@ -136,11 +136,16 @@ def snapshot(gw: Gateway, now: float | None = None) -> dict:
     by_replica = [_sums(series, name, "replica") for name in SERIES[:4]]
     names = {name: None for sums in by_replica for name in sums}
     figures = {name: dict(zip(_FIGURES, (sums.get(name, 0.0) for sums in by_replica))) for name in names}
+    for name, row in figures.items():  # its requests by outcome: the summary line's deltas (summary.py)
+        row["outcomes"] = {}
+    for labels, value in series[SERIES[0]]:
+        outcomes = figures[labels.get("replica", "")]["outcomes"]
+        outcomes[labels.get("result", "")] = outcomes.get(labels.get("result", ""), 0.0) + value
     replicas = []
     for r in gw.replicas.values():
         state, css = _state(r, now)
         replicas.append({"name": r.name, "role": r.config.role, "state": state, "css": css, "queue_depth": r.load,
-                         "inflight": r.inflight, **figures.pop(r.name, dict.fromkeys(_FIGURES, 0.0))})
+                         "inflight": r.inflight, **figures.pop(r.name, {**dict.fromkeys(_FIGURES, 0.0), "outcomes": {}})})
     for name, row in sorted(figures.items()):
         replicas.append({"name": name, "role": "", "state": "not known to this worker", "css": "dim",
                          "queue_depth": None, "inflight": None, **row})

@@ -28,23 +28,34 @@ __all__ = ["MAX_REPLICAS", "summary_line", "log_summaries"]
 log = logging.getLogger("prefix_router.summary")
 
 MAX_REPLICAS = 8  # replicas named on the line; a fleet of 256 would make it unreadable
+_FIGURES = ("requests", "prompt_tokens", "cached_tokens", "predicted_tokens")  # a replica's counts
 
 
 def _rate(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "-"
 
 
+def _since(row: dict, old: dict | None) -> dict:
+    """A replica's counts over the interval: ``row`` less ``old`` (its row a snapshot before; None:
+    new since), ``{figure: n, "outcomes": {result: n}}``. A count below its old value was reset (the
+    replica left discovery, its series were forgotten, and it came back under the same name): all
+    of ``row`` is the interval's then, as Prometheus's ``increase()`` reads a reset."""
+    old = old or {}
+    was = old.get("outcomes", {})
+    if any(row[k] < old.get(k, 0.0) for k in _FIGURES) or any(row["outcomes"].get(k, 0.0) < n for k, n in was.items()):
+        old, was = {}, {}
+    return {**{k: row[k] - old.get(k, 0.0) for k in _FIGURES},
+            "outcomes": {k: n - was.get(k, 0.0) for k, n in row["outcomes"].items()}}
+
+
 def summary_line(before: dict | None, now: dict, interval_s: float) -> str:
-    """The line for the interval between two snapshots (``before`` None: since start)."""
+    """The line for the interval between two snapshots (``before`` None: since start). Counts are
+    per replica (``_since``), so a replica forgotten since ``before`` takes none of its counts off the
+    interval's, and one that came back counts from 0."""
     old = {r["name"]: r for r in (before or {}).get("replicas", [])}
-    rows = []
-    for r in now["replicas"]:
-        o = old.get(r["name"], {})
-        delta = {k: r[k] - o.get(k, 0.0) for k in ("requests", "prompt_tokens", "cached_tokens", "predicted_tokens")}
-        rows.append((r["name"], r["queue_depth"], delta))
-    total = {k: sum(d[k] for _, _, d in rows) for k in ("requests", "prompt_tokens", "cached_tokens", "predicted_tokens")}
-    outcomes_before = {o["result"]: o["requests"] for o in (before or {}).get("outcomes", [])}
-    outcomes = ", ".join(f"{o['result']} {int(o['requests'] - outcomes_before.get(o['result'], 0.0))}"
+    rows = [(r["name"], r["queue_depth"], _since(r, old.get(r["name"]))) for r in now["replicas"]]
+    total = {k: sum(d[k] for _, _, d in rows) for k in _FIGURES}
+    outcomes = ", ".join(f"{o['result']} {int(sum(d['outcomes'].get(o['result'], 0.0) for _, _, d in rows))}"
                          for o in now["outcomes"])
     line = (f"summary {interval_s:g} s: {int(total['requests'])} requests, token hit rate "
             f"{_rate(total['cached_tokens'], total['prompt_tokens'])} (predicted "
