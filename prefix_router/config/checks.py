@@ -170,6 +170,14 @@ def _FINITE_NON_NEGATIVE(value: Any) -> Any:  # noqa: N802 (a check, named as th
 
 
 _TIME = _bounded(0, strict=True)  # seconds
+
+
+def _SUMMARY_INTERVAL(value: Any) -> Any:  # noqa: N802 (a check, named as the others)
+    """0 (no line), or at least a second: each line renders the whole /metrics page, and 1e-9
+    logged some 1,300 lines a second, burning the event loop the requests share."""
+    if not (value == 0 or 1 <= value < math.inf):
+        raise Reject("0 (none) or a finite value >= 1")
+    return value
 CHECKS: dict[tuple[type, str], _Check] = {
     # Applied after the type check, skipped for None.
     (ReplicaConfig, "url"): _http_url,
@@ -258,7 +266,7 @@ CHECKS: dict[tuple[type, str], _Check] = {
     (GatewayConfig, "host"): _non_empty,
     (GatewayConfig, "port"): _bounded(0, 65535),
     (GatewayConfig, "tokenizer"): _non_empty,
-    (GatewayConfig, "summary_interval_s"): _FINITE_NON_NEGATIVE,  # 0: no summary line
+    (GatewayConfig, "summary_interval_s"): _SUMMARY_INTERVAL,
 }
 
 # Settings that earlier releases had, with what replaced them.

@@ -31,6 +31,11 @@ def test_every_range_check_names_a_real_field():
     ({"port": 70000}, "port:"),
     ({"replicas": [{"url": "http://a:1", "weight": 0}]}, "replicas[0].weight:"),
     ({"index": {"max_blocks_per_replica": 0}}, "index.max_blocks_per_replica:"),
+    # a summary line every nanosecond: some 1,300 lines a second, each rendering /metrics
+    ({"summary_interval_s": 1e-9}, "summary_interval_s:"), ({"summary_interval_s": 0.5}, "summary_interval_s:"),
+    ({"summary_interval_s": -1}, "summary_interval_s:"), ({"summary_interval_s": float("nan")}, "summary_interval_s:"),
+    ({"summary_interval_s": float("inf")}, "summary_interval_s:"), ({"summary_interval_s": "60"}, "summary_interval_s:"),
+    ({"summary_interval_s": True}, "summary_interval_s:"),
 ])
 def test_an_out_of_range_value_names_the_key_path(data, key_path):
     assert error_for(data).startswith(key_path)
@@ -40,6 +45,7 @@ def test_the_edges_of_the_ranges_are_allowed():
     config = config_from_dict({"routing": {"load_factor": 1}, "upstream": {"max_retries": 0},
                                "port": 0})
     assert (config.routing.load_factor, config.upstream.max_retries, config.port) == (1.0, 0, 0)
+    assert [config_from_dict({"summary_interval_s": v}).summary_interval_s for v in (0, 1)] == [0, 1]
 
 
 def test_an_unknown_policy_names_the_key_and_the_allowed_ones():

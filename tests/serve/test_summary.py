@@ -90,7 +90,7 @@ def test_an_idle_interval_is_one_short_line():
 async def test_the_gateway_logs_lines_whose_counts_add_up_to_its_metrics(aiohttp_client, fleet, caplog):
     sims = await fleet(2)
     config = config_from_dict({"replicas": [str(s.make_url("")).rstrip("/") for s in sims],
-                               "summary_interval_s": 0.2})
+                               "summary_interval_s": 1})
     client = await aiohttp_client(create_app(config, ByteTokenizer()))
     caplog.set_level(logging.INFO, logger="prefix_router.summary")
     rng = random.Random(0)
