@@ -57,7 +57,10 @@ def plot(per_policy: dict[str, list[dict]], path: Path, ttft: str, title: str = 
         fig.suptitle(textwrap.fill(title, 100), fontsize="medium")
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=100)
+        # a PNG whatever the name: matplotlib would refuse ``.txt`` with a ValueError after the
+        # whole run, write ``out`` as ``out.png`` under another name than the one said, and a
+        # folder's name as ``folder.png`` beside it; given the format, it opens ``path`` itself
+        fig.savefig(path, dpi=100, format="png")
     finally:
         plt.close(fig)
 

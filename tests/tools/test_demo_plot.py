@@ -41,3 +41,16 @@ def test_a_plot_that_cannot_be_written_is_said_on_stderr_and_the_demo_goes_on(tm
     assert plot_or_say({"prefix-affinity": _rows(0.8, 0.05)}, path, "TTFT (modelled)") is None
     out = capsys.readouterr()
     assert out.out == "" and "no plot:" in out.err and not path.exists()
+
+
+def test_any_name_is_a_png_at_that_name_and_a_folder_is_said_on_stderr(tmp_path, capsys):
+    rows = {"prefix-affinity": _rows(0.8, 0.05)}
+    for name in ("demo.txt", "demo"):  # a ValueError traceback, and demo.png written for "demo", before
+        path = tmp_path / name
+        assert plot_or_say(rows, path, "TTFT (modelled)") == path
+        assert path.read_bytes()[:8] == PNG_SIGNATURE and capsys.readouterr().out == f"plot: {path}\n"
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    assert plot_or_say(rows, folder, "TTFT (modelled)") is None  # was "plot: plots", written as plots.png
+    out = capsys.readouterr()
+    assert out.out == "" and "no plot:" in out.err and not (tmp_path / "plots.png").exists()
