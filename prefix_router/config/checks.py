@@ -93,6 +93,9 @@ def _http_url(value: str) -> str:
         raise Reject(expected) from None
     if not parts.hostname or parts.query or parts.fragment or any(c.isspace() for c in url):
         raise Reject(expected)
+    if parts.username is not None or parts.password is not None:  # it would show in every label, log and page
+        raise Reject("a URL without user or password (they would show in /replicas, the metrics' labels and the "
+                     "logs): vLLM's --api-key goes in auth.upstream_api_key", secret=True)
     if parts.path.rstrip("/").endswith("/v1"):  # the OpenAI base-URL habit: every call would 404
         raise Reject(f"the replica's base URL, {url[:-3]}, without /v1 (the gateway calls "
                      f"{url[:-3]}/health, /metrics and /v1/... itself)")

@@ -366,6 +366,12 @@ def fetch_tokenizer(model_id: str | None, timeout_s: float = FETCH_TIMEOUT_S) ->
 
     if not model_id or os.path.isdir(model_id):
         return
+    if model_id.startswith(("/", ".", "~")) or model_id.count("/") > 1:  # a path: repository ids are org/name
+        raise OSError(f"tokenizer: no folder {model_id} (a Hugging Face model id is org/name)")
+    import logging
+
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # huggingface_hub's client logs each request at INFO
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     from huggingface_hub import constants, snapshot_download
 
     try:

@@ -189,6 +189,9 @@ def run(args: argparse.Namespace) -> int:
         args.limit = VLLM_DEFAULT_LIMIT
     cache = _cache_dir(args.cache_dir)
     try:
+        for flag, out in (("--json", args.json), ("--plot", args.plot)):  # before the minutes-long run
+            if out and not Path(out).resolve().parent.is_dir():
+                raise ValueError(f"{flag} {out}: there is no folder {Path(out).parent}")
         python = None
         if vllm:
             python = launch.find_vllm_python(args.vllm_python)

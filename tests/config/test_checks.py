@@ -55,7 +55,12 @@ def test_an_unknown_policy_names_the_key_and_the_allowed_ones():
 
 
 @pytest.mark.parametrize("url", ["vllm-0:8000", "ftp://a", "http://", "http://a:port",
-                                 "http://a:1?x=1", ""])
+                                 "http://a:1?x=1", "", "http://user:secret@a:1", "http://token@a:1"])
 def test_a_bad_replica_url_names_the_key_path(url):
     data = {"replicas": ["http://ok:1", url]}
     assert error_for(data).startswith("replicas[1].url:")
+
+
+def test_credentials_in_a_replica_url_are_refused_without_repeating_them():
+    message = error_for({"replicas": ["http://user:s3cret@a:1"]})
+    assert "s3cret" not in message and "auth.upstream_api_key" in message

@@ -91,10 +91,12 @@ async def test_offline_mode_and_an_unknown_repository_are_one_line_each(aiohttp_
     offline = await _run(*serve, "--tokenizer", REPO, "--tokenizer-download", env={**env, "HF_HUB_OFFLINE": "1"})
     unknown = await _run(*serve, "--tokenizer", "tiny-org/no-such-model", "--tokenizer-download", env=env)
     not_asked = await _run(*serve, "--tokenizer", REPO, env=env)
+    path = await _run(*serve, "--tokenizer", str(tmp_path / "no-such-folder"), "--tokenizer-download", env=env)
     for run, words in ((offline, "HF_HUB_OFFLINE=1"), (unknown, "could not download tiny-org/no-such-model"),
-                       (not_asked, "--tokenizer-download")):
+                       (not_asked, "--tokenizer-download"), (path, f"no folder {tmp_path / 'no-such-folder'}")):
         assert run.returncode == 2, run.stderr[-2000:]
         assert "Traceback" not in run.stderr and words in run.stderr, run.stderr[-2000:]
+        assert "HTTP Request" not in run.stderr  # the Hub client's own request lines stay out
     assert not any("/resolve/" in r for r in requests)  # nothing fetched by any of them
 
 

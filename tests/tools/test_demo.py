@@ -88,3 +88,13 @@ def test_demo_replays_a_mooncake_trace_without_errors(tmp_path):
     assert not list(tmp_path.glob("*.png")) and "plot:" not in proc.stdout  # --no-plot draws none
     for rows in json.loads(out.read_text())["per_replica"].values():
         assert rows[-1]["requests"] == 40 and rows[-1]["prompt_tokens"] > 0
+
+
+def test_an_output_in_a_missing_folder_is_refused_before_the_run(tmp_path):
+    for flag in ("--json", "--plot"):
+        missing = tmp_path / "no-such-folder" / "out"
+        proc = subprocess.run([sys.executable, "-m", "prefix_router.cli", "demo", flag, str(missing),
+                               "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == f"prefix-router demo: {flag} {missing}: there is no folder " \
+                                                        f"{missing.parent}"
