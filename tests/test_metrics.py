@@ -37,3 +37,27 @@ def test_sample_sum_adds_the_samples_whose_labels_include_the_ones_asked():
     assert sample_sum(page, "x_total", replica="a") == 3
     assert sample_sum(page, "x_total", replica="a", code="200") == 2
     assert sample_sum(page, "x_total", replica="c") == 0
+
+
+def test_counter_samples_are_the_pages_counters_without_rendering_it():
+    """What the status page and the summary line read: the named counters' samples, equal to the
+    same series parsed from the page; cached and predicted tokens kept apart."""
+    m = GatewayMetrics()
+    for replica, (hits, prompt, cached, predicted) in {"a": (3, 900, 400, 380), "b": (1, 100, 0, 16)}.items():
+        m.cache_requests.labels(replica, "hit").inc(hits)
+        m.cache_requests.labels(replica, "miss_cold").inc(1)
+        m.prompt_tokens.labels(replica).inc(prompt)
+        m.cached.labels(replica).inc(cached)
+        m.cached_predicted.labels(replica).inc(predicted)
+        m.ttft.labels(replica).observe(0.2)
+    names = ("prefix_router_cache_requests_total", "prefix_router_cached_tokens_total",
+             "prefix_router_cached_tokens_predicted_total", "prefix_router_lost_tokens_total")
+    found = m.counter_samples(names)
+    parsed = {n: [] for n in names}
+    for family in text_string_to_metric_families(m.page().decode()):
+        for sample in family.samples:
+            if sample.name in parsed:
+                parsed[sample.name].append((sample.labels, sample.value))
+    for name in names:
+        assert sorted(map(repr, found[name])) == sorted(map(repr, parsed[name])), name
+    assert len(found["prefix_router_cache_requests_total"]) == 4 and found["prefix_router_lost_tokens_total"] == []

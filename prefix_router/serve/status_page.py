@@ -12,8 +12,8 @@ Security Policy that lets none run), reloaded by the browser every ``REFRESH_S``
 - the latest sites where clients changed their prefix (``misses/change_sites.py``): cause, message
   index, role, token position, count, lost tokens, when last seen, the fix.
 
-Requests and tokens are read from the gateway's own Prometheus exposition (``metrics.page()``),
-so they are the figures of ``/metrics``, every worker's under ``--workers N``; states, loads and
+Requests and tokens are read from the gateway's own counters (``Metrics.counter_samples``), so
+they are the figures of ``/metrics``, every worker's under ``--workers N``; states, loads and
 change sites are this process's, as in ``/replicas`` and ``/debug/changes``. No prompt text is on
 the page: a site holds none, and its redacted excerpt (``changes.snippets``) is left out.
 """
@@ -25,7 +25,6 @@ import time
 from html import escape
 from typing import TYPE_CHECKING
 
-from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_router.misses.classify import CacheResult
 
@@ -33,7 +32,7 @@ if TYPE_CHECKING:
     from prefix_router.fleet.replicas import ReplicaState
     from prefix_router.gateway import Gateway
 
-__all__ = ["HEADERS", "REFRESH_S", "counters", "render", "snapshot", "wants_html"]
+__all__ = ["HEADERS", "REFRESH_S", "render", "snapshot", "wants_html"]
 
 REFRESH_S = 5  # seconds between reloads: about a scrape's interval, slow enough to read a figure
 CHANGE_SITES = 10  # the latest change sites shown
@@ -41,8 +40,7 @@ CHANGE_SITES = 10  # the latest change sites shown
 # by Accept (``wants_html``: a JSON client at ``/`` gets the replicas' answer).
 HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", "Vary": "Accept",
            "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'none'"}
-# The series the page reads (``counters`` matches each with its opening brace: ``..._cached_tokens_total{``
-# is not a prefix of ``..._cached_tokens_predicted_total{``).
+# The series the page reads.
 SERIES = ("prefix_router_cache_requests_total", "prefix_router_prompt_tokens_total",
           "prefix_router_cached_tokens_total", "prefix_router_cached_tokens_predicted_total",
           "prefix_router_lost_tokens_total")
@@ -83,19 +81,6 @@ def wants_html(accept: str | None) -> bool:
     return bool(ranges.get("*/*") or ranges.get("text/*"))
 
 
-def counters(page: bytes) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """SERIES name -> its samples (labels, value) in a Prometheus text page; the page's other
-    lines are skipped before parsing."""
-    wanted = tuple(name + "{" for name in SERIES)
-    lines = [line for line in page.decode("utf-8", "replace").splitlines() if line.startswith(wanted)]
-    found: dict[str, list] = {name: [] for name in SERIES}
-    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
-        for sample in family.samples:
-            if sample.name in found:
-                found[sample.name].append((sample.labels, sample.value))
-    return found
-
-
 def _state(r: ReplicaState, now: float) -> tuple[str, str]:
     """(the replica's state in words, its CSS class)."""
     stale = r.stream is not None and not r.stream.fresh
@@ -132,7 +117,7 @@ def snapshot(gw: Gateway, now: float | None = None) -> dict:
     "changes_total"}``; requests and tokens are counts since start, ``seen_s_ago`` seconds. Replicas
     in the configuration's order, then any only the metrics name (another worker's)."""
     now = time.monotonic() if now is None else now
-    series = counters(gw.metrics.page())
+    series = gw.metrics.counter_samples(SERIES)
     by_replica = [_sums(series, name, "replica") for name in SERIES[:4]]
     names = {name: None for sums in by_replica for name in sums}
     figures = {name: dict(zip(_FIGURES, (sums.get(name, 0.0) for sums in by_replica))) for name in names}

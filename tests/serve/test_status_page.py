@@ -17,7 +17,7 @@ from prefix_router.gateway import Gateway
 from prefix_router.metrics import sample_sum
 from prefix_router.misses.diagnosis import Cause, Change
 from prefix_router.prompts.tokenizer import ByteTokenizer
-from prefix_router.serve.status_page import REFRESH_S, counters, render, snapshot, wants_html
+from prefix_router.serve.status_page import REFRESH_S, render, snapshot, wants_html
 
 
 class _Tables(HTMLParser):
@@ -105,21 +105,6 @@ def percent(cell: str) -> float:
 ])
 def test_which_accept_headers_take_the_page(accept, html):
     assert wants_html(accept) is html
-
-
-def test_counters_reads_only_its_series_and_tells_cached_from_predicted():
-    page = (b'# HELP prefix_router_cached_tokens_total Cached.\n# TYPE prefix_router_cached_tokens_total counter\n'
-            b'prefix_router_cached_tokens_total{replica="a"} 30.0\n'
-            b'prefix_router_cached_tokens_created{replica="a"} 1.7e9\n'
-            b'prefix_router_cached_tokens_predicted_total{replica="a"} 40.0\n'
-            b'prefix_router_ttft_seconds_bucket{replica="a",le="0.1"} 3.0\n'
-            b'prefix_router_cache_requests_total{replica="a",result="hit"} 2.0\n'
-            b'prefix_router_cache_requests_total{replica="b",result="miss_cold"} 1.0\n')
-    found = counters(page)
-    assert found["prefix_router_cached_tokens_total"] == [({"replica": "a"}, 30.0)]
-    assert found["prefix_router_cached_tokens_predicted_total"] == [({"replica": "a"}, 40.0)]
-    assert sorted(v for _, v in found["prefix_router_cache_requests_total"]) == [1.0, 2.0]
-    assert found["prefix_router_prompt_tokens_total"] == [] and found["prefix_router_lost_tokens_total"] == []
 
 
 # --- the figures ------------------------------------------------------------------------------
