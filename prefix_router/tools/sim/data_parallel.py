@@ -17,7 +17,7 @@ from prefix_router.constants import DP_RANK_HEADER
 from prefix_router.tools.sim.engine import Engine
 from prefix_router.tools.sim.requests import ApiError
 
-__all__ = ["Ranks"]
+__all__ = ["Ranks", "check_event_ports", "offset_endpoint"]
 
 
 class Ranks:
@@ -65,3 +65,33 @@ class Ranks:
     def holding(self, request_id: str) -> Engine | None:
         """The engine holding a finished prefill leg's blocks under ``request_id``, if any."""
         return next((e for e in self.engines if request_id in e.scheduler.held), None)
+
+
+def check_event_ports(config) -> None:
+    """Raise ValueError where the ranks' publishers would take one port twice, or one past 65535
+    (each rank binds its endpoint and replay socket at its configured port plus its rank)."""
+    events = config.kv_events or {}
+    if not events.get("enable_kv_cache_events"):
+        return
+    taken: dict[int, str] = {}
+    for rank in range(config.data_parallel_size):
+        for what in ("endpoint", "replay_endpoint"):
+            port = (offset_endpoint(events.get(what, "tcp://*:5557" if what == "endpoint" else None), rank) or "").rpartition(":")[2]
+            if not port.isdigit() or not int(port):
+                continue
+            if int(port) > 65535:
+                raise ValueError(f"kv events: rank {rank}'s {what} would be port {port}, past 65535")
+            if int(port) in taken:
+                raise ValueError(f"kv events: rank {rank}'s {what} would take port {port}, which {taken[int(port)]} "
+                                 f"has: each rank binds its ports plus its rank, so leave {config.data_parallel_size} "
+                                 "ports between endpoint and replay_endpoint")
+            taken[int(port)] = f"rank {rank}'s {what}"
+
+
+def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """A bind address with ``rank`` added to its TCP port, as vLLM's ``offset_endpoint_port``
+    (``vllm/distributed/kv_events.py``) gives each rank its own; port 0 stays 0."""
+    if not endpoint or not rank or not endpoint.startswith("tcp://"):
+        return endpoint
+    head, _, port = endpoint.rpartition(":")
+    return f"{head}:{int(port) + rank}" if port.isdigit() and int(port) else endpoint

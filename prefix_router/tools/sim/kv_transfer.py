@@ -36,7 +36,7 @@ import aiohttp
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["BYTES_PER_TOKEN", "Connector", "ConnectorMetrics", "VIOLATIONS"]
+__all__ = ["BYTES_PER_TOKEN", "Connector", "ConnectorMetrics", "VIOLATIONS", "expire_leases"]
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # KV bytes per token of the modelled Llama-3.1-8B in bf16 (tools/sim/config.py): 2 x 32 x 8 x 128 x 2
@@ -197,3 +197,14 @@ class ConnectorMetrics(Collector):
         for outcome in ("pulled", "failed", "computed"):
             transfers.add_metric([outcome], self.connector.transfers[outcome])
         yield transfers
+
+
+async def expire_leases(ranks, connector: Connector) -> None:
+    """Free the blocks of prefill legs no decode pulled within the lease (vLLM frees them too),
+    every quarter second until cancelled; ``ranks``: the server's ``data_parallel.Ranks``."""
+    while True:
+        await asyncio.sleep(0.25)
+        for request_id in connector.expired(ranks.engines[0].now_s()):
+            engine = ranks.holding(request_id)
+            if engine is not None:
+                engine.scheduler.release_held(request_id)

@@ -29,24 +29,24 @@ sends neither.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import time
+from collections import OrderedDict
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from prefix_router.cache.blocks import extend_block_hashes, seed_hash
 from prefix_router.errors import openai_error
 from prefix_router.prompts.tokenizer import ChatFormatError, PromptTokenizer
-from prefix_router.tools.sim.config import SimConfig
-from prefix_router.tools.sim.data_parallel import Ranks
-from prefix_router.tools.sim.engine import Engine
-from collections import OrderedDict
-
-from prefix_router.cache.blocks import extend_block_hashes, seed_hash
 from prefix_router.tools.sim.answers import CHAT, COMPLETION, RESPONSES, Answer
-from prefix_router.tools.sim.kv_transfer import Connector, ConnectorMetrics
+from prefix_router.tools.sim.config import SimConfig
+from prefix_router.tools.sim.data_parallel import Ranks, check_event_ports, offset_endpoint
+from prefix_router.tools.sim.engine import Engine
+from prefix_router.tools.sim.kv_transfer import Connector, ConnectorMetrics, expire_leases
 from prefix_router.tools.sim.requests import (ApiError, CompletionParams, parse_chat, parse_completion,
                                               parse_responses, parse_tokenize)
 from prefix_router.tools.sim.scheduler import SimRequest
@@ -353,44 +353,41 @@ async def kv_event_sources(request: web.Request) -> web.Response:
     return web.json_response(out)
 
 
-async def _expire_leases(ranks: Ranks, connector: Connector) -> None:
-    """Free the blocks of prefill legs no decode pulled within the lease (vLLM frees them too)."""
-    while True:
-        await asyncio.sleep(0.25)
-        for request_id in connector.expired(ranks.engines[0].now_s()):
-            engine = ranks.holding(request_id)
-            if engine is not None:
-                engine.scheduler.release_held(request_id)
-
-
-def _check_event_ports(config: SimConfig) -> None:
-    """Raise ValueError where the ranks' publishers would take one port twice, or one past 65535
-    (each rank binds its endpoint and replay socket at its configured port plus its rank)."""
+async def _engines(app: web.Application):
+    """The app's engines (one per data-parallel rank), their KV event publishers and the
+    connector's lease expiry, from start to shutdown (``cleanup_ctx``)."""
+    config, tokenizer = app[CONFIG], app[TOKENIZER]
+    vocab = min(tokenizer.vocab_size, 1 << 31)
+    engines = [Engine(config, vocab_size=vocab)]
+    engines += [Engine(config, vocab_size=vocab, first=engines[0]) for _ in range(config.data_parallel_size - 1)]
+    app[ENGINE], app[ENGINES] = engines[0], Ranks(engines)
+    tasks = [asyncio.create_task(engine.run()) for engine in engines]
     events = config.kv_events or {}
-    if not events.get("enable_kv_cache_events"):
-        return
-    taken: dict[int, str] = {}
-    for rank in range(config.data_parallel_size):
-        for what in ("endpoint", "replay_endpoint"):
-            port = (_offset(events.get(what, "tcp://*:5557" if what == "endpoint" else None), rank) or "").rpartition(":")[2]
-            if not port.isdigit() or not int(port):
-                continue
-            if int(port) > 65535:
-                raise ValueError(f"kv events: rank {rank}'s {what} would be port {port}, past 65535")
-            if int(port) in taken:
-                raise ValueError(f"kv events: rank {rank}'s {what} would take port {port}, which {taken[int(port)]} "
-                                 f"has: each rank binds its ports plus its rank, so leave {config.data_parallel_size} "
-                                 "ports between endpoint and replay_endpoint")
-            taken[int(port)] = f"rank {rank}'s {what}"
-
-
-def _offset(endpoint: str | None, rank: int) -> str | None:
-    """A bind address with ``rank`` added to its TCP port, as vLLM's ``offset_endpoint_port``
-    (``vllm/distributed/kv_events.py``) gives each rank its own; port 0 stays 0."""
-    if not endpoint or not rank or not endpoint.startswith("tcp://"):
-        return endpoint
-    head, _, port = endpoint.rpartition(":")
-    return f"{head}:{int(port) + rank}" if port.isdigit() and int(port) else endpoint
+    if events.get("enable_kv_cache_events") and events.get("publisher", "zmq") == "zmq":
+        from prefix_router.tools.sim.kv_events import EventPublisher  # pyzmq only where events are on
+        for engine in engines:
+            engine.publisher = EventPublisher(offset_endpoint(events.get("endpoint", "tcp://*:5557"), engine.rank),
+                                              offset_endpoint(events.get("replay_endpoint"), engine.rank),
+                                              events.get("topic", ""), events.get("buffer_steps", 10_000),
+                                              data_parallel_rank=engine.rank)
+            engine.scheduler.kv.record_events = True
+            tasks.append(asyncio.create_task(engine.publisher.serve_replay()))
+    connector = app[CONNECTOR]
+    if connector.role is not None:
+        engines[0].metrics.registry.register(ConnectorMetrics(connector))
+        connector.http = aiohttp.ClientSession()
+        tasks.append(asyncio.create_task(expire_leases(app[ENGINES], connector)))
+    yield
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    for engine in engines:
+        if engine.publisher is not None:
+            engine.publisher.close()
+    if connector.http is not None:
+        await connector.http.close()
 
 
 def create_app(config: SimConfig, tokenizer: PromptTokenizer) -> web.Application:
@@ -400,7 +397,7 @@ def create_app(config: SimConfig, tokenizer: PromptTokenizer) -> web.Application
     to start in that case too).
     """
     config.validate()
-    _check_event_ports(config)
+    check_event_ports(config)
     capacity = (config.num_gpu_blocks - 1) * config.block_size
     if config.max_model_len > capacity:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV cache "
@@ -411,51 +408,10 @@ def create_app(config: SimConfig, tokenizer: PromptTokenizer) -> web.Application
     app[TOKENIZER] = tokenizer
     app[CONNECTOR] = Connector(config.kv_transfer)
     app[STORED] = OrderedDict()
-
-    async def engine_ctx(app: web.Application):
-        vocab = min(tokenizer.vocab_size, 1 << 31)
-        engines = [Engine(config, vocab_size=vocab)]
-        engines += [Engine(config, vocab_size=vocab, first=engines[0]) for _ in range(config.data_parallel_size - 1)]
-        app[ENGINE], app[ENGINES] = engines[0], Ranks(engines)
-        tasks = [asyncio.create_task(engine.run()) for engine in engines]
-        events = config.kv_events or {}
-        if events.get("enable_kv_cache_events") and events.get("publisher", "zmq") == "zmq":
-            from prefix_router.tools.sim.kv_events import EventPublisher  # pyzmq only where events are on
-            for engine in engines:
-                engine.publisher = EventPublisher(_offset(events.get("endpoint", "tcp://*:5557"), engine.rank),
-                                                  _offset(events.get("replay_endpoint"), engine.rank),
-                                                  events.get("topic", ""), events.get("buffer_steps", 10_000),
-                                                  data_parallel_rank=engine.rank)
-                engine.scheduler.kv.record_events = True
-                tasks.append(asyncio.create_task(engine.publisher.serve_replay()))
-        connector = app[CONNECTOR]
-        if connector.role is not None:
-            engines[0].metrics.registry.register(ConnectorMetrics(connector))
-            connector.http = aiohttp.ClientSession()
-            tasks.append(asyncio.create_task(_expire_leases(app[ENGINES], connector)))
-        yield
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-        for engine in engines:
-            if engine.publisher is not None:
-                engine.publisher.close()
-        if connector.http is not None:
-            await connector.http.close()
-
-    app.cleanup_ctx.append(engine_ctx)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/responses", responses)
-    app.router.add_post("/sim/kv_pull", kv_pull)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/kv_event_sources", kv_event_sources)
-    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    app.cleanup_ctx.append(_engines)
+    app.router.add_routes([
+        web.post("/v1/completions", completions), web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/responses", responses), web.post("/sim/kv_pull", kv_pull), web.post("/tokenize", tokenize),
+        web.get("/v1/models", models), web.get("/health", health), web.get("/metrics", metrics),
+        web.get("/kv_event_sources", kv_event_sources), web.post("/reset_prefix_cache", reset_prefix_cache)])
     return app
