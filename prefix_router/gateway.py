@@ -113,6 +113,7 @@ class Gateway:
         self._models_read_at = float("-inf")  # refresh_models: when it last looked, and the look on its way
         self._models_reading: asyncio.Future | None = None
         self._exported: dict[str, dict[str, int]] = {}  # per replica: event counters exported so far
+        self._warned_block_size: dict[str, int] = {}  # per replica: the mismatched block size warned of
         self.request_log = RequestLog(config.request_log, config.request_log_blocks) if config.request_log else None
         # request-log lines waiting for their events, each with its writer (serve/learning.py)
         self.waiting_lines: dict[asyncio.Task, Callable[[], None]] = {}
@@ -208,6 +209,7 @@ class Gateway:
             self.ring.remove(name)
             self.metrics.forget_replica(name)
             self._exported.pop(name, None)
+            self._warned_block_size.pop(name, None)
         return gone
 
     @property
@@ -243,6 +245,14 @@ class Gateway:
             capacity = self.config.index.max_blocks_per_replica or replica.num_gpu_blocks
             if capacity and replica.shadow.capacity != capacity:
                 replica.shadow.resize(capacity)
+            reported = replica.reported_block_size
+            if reported and reported != self.block_size and reported != self._warned_block_size.get(replica.name):
+                self._warned_block_size[replica.name] = reported  # once per replica and size
+                log.warning("replica %s: its engine uses blocks of %d tokens (--block-size), the gateway hashes "
+                            "blocks of %d (%s): no block the gateway predicts is one the engine caches; set "
+                            "routing.block_size to the replicas' --block-size, the same on every replica",
+                            replica.name, reported, self.block_size,
+                            "routing.block_size" if self.config.routing.block_size else "another replica's")
 
     def export_event_metrics(self) -> None:
         """Bring the KV event metrics up to each stream's counters (``prefix_router/fleet/kv_follower.py``)."""

@@ -85,3 +85,22 @@ def test_static_replicas_are_never_drained_by_discovery():
     gw.apply_discovery([], now=0.0)
     assert gw.forget_drained(now=1e9) == []
     assert gw.replicas["static:8000"].routable
+
+
+def test_a_replica_whose_engine_uses_another_block_size_is_named_once_with_the_fix(caplog):
+    """routing.block_size 16 against an engine started with --block-size 32 (vLLM's CPU build
+    refuses 16): no block the gateway predicts is one the engine caches, so it says so."""
+    from prefix_router.config import RoutingConfig
+
+    config = GatewayConfig(replicas=(ReplicaConfig(url="http://a:1"), ReplicaConfig(url="http://b:1")),
+                           routing=RoutingConfig(block_size=16))
+    gw = Gateway(config, None)
+    for replica, size in zip(gw.replicas.values(), (16, 32)):
+        apply_health(replica, True, HealthConfig())
+        apply_metrics(replica, PAGE.replace('block_size="16"', f'block_size="{size}"'))
+    with caplog.at_level("WARNING", logger="prefix_router.gateway"):
+        gw.sync_ring()
+        gw.sync_ring()
+    warned = [r.getMessage() for r in caplog.records if "--block-size" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("replica b:1:")
+    assert "blocks of 32 tokens" in warned[0] and "hashes blocks of 16" in warned[0] and "routing.block_size" in warned[0]

@@ -84,6 +84,7 @@ class ReplicaState:
     recent: float = 0.0  # requests sent, decayed with routing.share_half_life_s (``note_sent``)
     recent_at: float = 0.0  # monotonic seconds of the last update of ``recent``
     block_size: int | None = None  # from cache_config_info or the configuration
+    reported_block_size: int | None = None  # cache_config_info's, whatever the configuration says
     num_gpu_blocks: int | None = None
     models: list[str] = field(default_factory=list)
     models_read_at: float = -math.inf  # monotonic seconds of the last read of /v1/models
@@ -368,8 +369,10 @@ def apply_metrics(replica: ReplicaState, text: str) -> None:
         log.info("replica %s on the ring", replica.name)
     replica.recovering = False
     cache = metrics.get("cache_config", {})
-    if replica.config.block_size is None and _digits(cache.get("block_size", "")):
-        replica.block_size = int(cache["block_size"])
+    if _digits(cache.get("block_size", "")):
+        replica.reported_block_size = int(cache["block_size"])
+        if replica.config.block_size is None:
+            replica.block_size = replica.reported_block_size
     if replica.config.num_gpu_blocks is None and _digits(cache.get("num_gpu_blocks", "")):
         replica.num_gpu_blocks = int(cache["num_gpu_blocks"])
 

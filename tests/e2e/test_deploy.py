@@ -108,9 +108,10 @@ def documents(path: Path) -> list[dict]:
 
 
 def resources(folder: Path) -> list[tuple[Path, dict]]:
-    """Every manifest a kustomization folder applies, following the folders it names."""
+    """Every manifest a kustomization folder applies, following the folders and components it names."""
     out = []
-    for name in yaml.safe_load((folder / "kustomization.yaml").read_text())["resources"]:
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    for name in kustomization.get("resources", []) + kustomization.get("components", []):
         path = (folder / name).resolve()
         out += resources(path) if path.is_dir() else [(path, doc) for doc in documents(path)]
     return out
@@ -135,7 +136,7 @@ def validate(doc: dict) -> None:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
-@pytest.mark.parametrize("folder", ["gateway", "base", "vllm", "epp"])
+@pytest.mark.parametrize("folder", ["gateway", "base", "vllm", "epp", "components/monitoring"])
 def test_every_file_of_a_kustomization_is_listed_in_it(folder):
     listed = {n for n in yaml.safe_load((KUBE / folder / "kustomization.yaml").read_text())["resources"]
               if not n.startswith("..")}
