@@ -4,7 +4,7 @@
 
 COMMANDS = ("compare", "overhead", "choice", "fleet-cost", "instances", "mooncake", "load", "hostile-bodies",
             "sim-throughput", "kv-event-sizes", "kv-intake", "fleetsim", "fleetsim-speed", "fleetsim-capacity",
-            "fleetsim-knobs", "fleetsim-disagg", "fleetsim-tiers")
+            "fleetsim-knobs", "fleetsim-disagg", "fleetsim-tiers", "data-parallel-vllm")
 
 
 def module_of(command: str) -> str:

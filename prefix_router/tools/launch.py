@@ -52,6 +52,26 @@ def free_port() -> int:
             return port
 
 
+def free_port_run(n: int) -> int:
+    """A port p with p .. p + n - 1 all free (``free_port``'s promise for each): vLLM binds a
+    data-parallel rank's KV-event sockets at the configured port plus the rank.
+
+    Raises ``RuntimeError`` when 200 tries find no such run."""
+    for _ in range(200):
+        first = free_port()
+        try:
+            for port in range(first + 1, first + n):
+                if port in _HANDED_OUT:
+                    raise OSError(port)
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        _HANDED_OUT.update(range(first, first + n))
+        return first
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 @dataclass
 class Server:
     """One server to start: its command line, port, log file and extra environment."""

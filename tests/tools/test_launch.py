@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from prefix_router.tools.launch import build_tiny_model, free_port
+from prefix_router.tools.launch import build_tiny_model, free_port, free_port_run
 
 
 def test_a_tiny_tokenizer_folder_is_rebuilt_for_another_corpus_and_kept_for_the_same(tmp_path):
@@ -31,3 +31,13 @@ def test_free_ports_handed_out_by_one_process_are_all_different():
     # servers started together bind late: the OS alone may hand one free port out twice
     ports = [free_port() for _ in range(300)]
     assert len(set(ports)) == len(ports)
+
+
+def test_a_free_port_run_is_free_throughout_and_never_handed_out_again():
+    import socket
+
+    first = free_port_run(3)
+    for port in range(first, first + 3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free: raises otherwise
+    assert not set(range(first, first + 3)) & {free_port() for _ in range(50)}
