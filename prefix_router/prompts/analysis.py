@@ -48,17 +48,21 @@ class PromptInfo:
     first_turn: bool | None = None
 
 
-def conversation_id(body: dict, session_key: str | None) -> str:
+def conversation_id(body: dict, session_key: str | None, by_user: bool = False) -> str:
     """The conversation a request belongs to: its session key, else (chat) a hash of the model,
-    cache salt and first user message, else "" (a completion without a session key has none)."""
-    if session_key:
+    cache salt and first user message, else "" (a completion without a session key has none).
+    ``by_user``: the key is the OpenAI ``user`` (an end user, not a conversation: one user opens
+    many chats), so a chat's conversation is that key and the hash together; a new chat of the
+    same user is then not read as a rewrite of the last one."""
+    if session_key and not by_user:
         return session_key
     messages = body.get("messages")
     if not isinstance(messages, list):
-        return ""
+        return session_key or ""
     salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
     first_user = next((m for m in messages if isinstance(m, dict) and m.get("role") == "user"), None)
-    return f"u:{digest([str(body.get('model') or ''), salt, first_user])}"
+    opened = f"u:{digest([str(body.get('model') or ''), salt, first_user])}"
+    return f"{session_key}|{opened}" if session_key else opened
 
 
 def check_body(body: dict, chat: bool) -> tuple[str, str] | None:
@@ -176,7 +180,7 @@ def _rendered(body: dict, tokenizer: PromptTokenizer) -> Tokens | None:
 
 
 def analyze(body: dict, chat: bool, tokenizer: PromptTokenizer | None, block_size: int,
-            char_block_size: int, session_key: str | None) -> PromptInfo:
+            char_block_size: int, session_key: str | None, by_user: bool = False) -> PromptInfo:
     """Token (or character) blocks, hashes and conversation id of one request body.
 
     Never raises on odd input: what cannot be tokenized is routed by its characters.
@@ -192,7 +196,7 @@ def analyze(body: dict, chat: bool, tokenizer: PromptTokenizer | None, block_siz
         messages = messages if isinstance(messages, list) else []
         message_hashes = (digest(body.get("tools")), *(digest(m) for m in messages))
         first = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), None)
-        conversation = conversation_id(body, session_key)
+        conversation = conversation_id(body, session_key, by_user)
         if first is not None:
             opening = f"o:{digest([model, salt, message_hashes[:first + 2]])}"
         first_turn = not any(isinstance(m, dict) and m.get("role") in ("assistant", "tool") for m in messages)

@@ -68,6 +68,7 @@ class Inbound:
     client_wants_usage: bool  # the client asked for ``stream_options.include_usage`` itself
     session: str | None  # the session key (header or ``user``), tenant-scoped
     tenant: str | None = None  # the tenant's name under tenants: a Response it creates is its own
+    session_by_user: bool = False  # the session key is the body's ``user``: one per end user, not per chat
 
 
 async def read_inbound(request: web.Request, gw: Gateway, path: str, chat: bool) -> Inbound | web.Response:
@@ -107,7 +108,8 @@ def inbound_of(request, gw: Gateway, path: str, chat: bool, raw: bytes) -> Inbou
                  **gw.tenants.isolation(tenant, body, path)}
     except IsolationError as exc:  # a nested cache_salt vLLM would refuse, a Responses request_id
         return openai_error(400, str(exc), exc.param)
-    session = gw.tenants.session(tenant, _session_key(request, body, gw))
+    key, by_user = _session_key(request, body, gw)
+    session = gw.tenants.session(tenant, key)
     try:
         payload = patched(raw, body, extra)
         body.update(extra)  # what the replica sees is what routing hashes (the salt seeds the blocks)
@@ -116,7 +118,7 @@ def inbound_of(request, gw: Gateway, path: str, chat: bool, raw: bytes) -> Inbou
         return openai_error(400, "request body is nested too deeply", "body")
     headers = {**forward_headers(request, gw), "Content-Type": "application/json"}
     return Inbound(path, chat, raw, body, prompt, payload, headers, stream, wants_usage, session,
-                   tenant.name if tenant is not None else None)
+                   tenant.name if tenant is not None else None, by_user)
 
 
 _LONG_NUMBER = re.compile(rb"\d{20}")  # 20 digits: more than a 64-bit integer holds (or a string's)
@@ -176,17 +178,18 @@ def patched(raw: bytes, body: dict | None, extra: dict, keys: frozenset[str] | s
         return json.dumps(whole).encode()
 
 
-def _session_key(request: web.Request, body: dict, gw: Gateway) -> str | None:
+def _session_key(request: web.Request, body: dict, gw: Gateway) -> tuple[str | None, bool]:
+    """(the session key: the session header's, else the body's ``user``; whether it is the ``user``)."""
     key = request.headers.get(gw.config.routing.session_header)
     if key:
-        return key[:256]
+        return key[:256], False
     user = body.get("user")
     metadata = body.get("metadata")
     if user is None and isinstance(metadata, dict):  # Anthropic's: Claude Code sends its session here
         user = metadata.get("user_id")
     if gw.config.routing.use_user_field and isinstance(user, str) and user:
-        return "user:" + user[:256]
-    return None
+        return "user:" + user[:256], True
+    return None, False
 
 
 def forward_headers(request: web.Request, gw: Gateway) -> dict[str, str]:

@@ -166,7 +166,7 @@ def _analyze(gw: Gateway, inbound: Inbound) -> PromptInfo:
     belongs to a conversation (built on the previous one's, so only new messages cost)."""
     body = inbound.prompt
     info = analyze(body, inbound.chat, gw.tokenizer, gw.block_size, gw.config.routing.char_block_size,
-                   inbound.session)
+                   inbound.session, inbound.session_by_user)
     if info.conversation:
         previous = gw.conversations.get(info.conversation)
         info.print = fingerprint(body, previous.print if previous is not None else None, info.message_hashes)

@@ -128,8 +128,10 @@ class _Conversations:
         session = request.session if request.session not in (hashed, f"#{line}") else None
         user = _user(body)
         # a gateway log's tag of the ``user`` key or of the hash: the client sent no session id
-        if session is not None and session not in (conversation_tag(f"user:{user}") if user else None,
-                                                   conversation_tag(hashed)):
+        tags = {conversation_tag(hashed)}  # the tags the gateway logs for a client that sent no session id
+        if user:  # the ``user`` key: whole (earlier releases), or with the chat's opening
+            tags |= {conversation_tag(f"user:{user}"), conversation_tag(conversation_id(body, f"user:{user}", True))}
+        if session is not None and session not in tags:
             key, name = ("session", session), session
         elif user is not None:
             key = ("user", user, hashed)  # a completion has no first user message: one per user

@@ -101,3 +101,17 @@ def test_token_ids_are_routed_as_tokens_and_anything_else_by_its_characters():
     assert as_tokens.exact and as_tokens.num_units == 64 and len(as_tokens.hashes) == 4
     with_a_bool = analyze({"model": MODEL, "prompt": [*ids[:-1], True]}, False, None, 16, 64, None)
     assert not with_a_bool.exact  # not token ids: cut into character blocks of its JSON text
+
+
+def test_a_users_chats_are_conversations_of_their_own_and_a_header_session_is_one():
+    from prefix_router.prompts.analysis import conversation_id
+
+    def chat(first: str, *later: str) -> dict:
+        return {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": first},
+                                           *({"role": "user", "content": t} for t in later)]}
+
+    a1, a2, b1 = chat("plan a trip"), chat("plan a trip", "to Rome"), chat("fix my code")
+    by_user = [conversation_id(c, "user:alice", by_user=True) for c in (a1, a2, b1)]
+    assert by_user[0] == by_user[1] != by_user[2] and all(c.startswith("user:alice|") for c in by_user)
+    assert {conversation_id(c, "session-7") for c in (a1, a2, b1)} == {"session-7"}  # a session id is one
+    assert conversation_id({"model": "m", "prompt": "p"}, "user:alice", by_user=True) == "user:alice"  # completion

@@ -28,7 +28,7 @@ ERROR_FIELDS = {"message", "type", "param", "code"}
 def described(inbound: Inbound) -> dict:
     return {"payload": base64.b64encode(inbound.payload).decode(), "headers": inbound.headers, "body": inbound.body,
             "prompt": inbound.prompt, "stream": inbound.stream, "client_wants_usage": inbound.client_wants_usage,
-            "session": inbound.session, "tenant": inbound.tenant}
+            "session": inbound.session, "tenant": inbound.tenant, "session_by_user": inbound.session_by_user}
 
 
 @pytest.fixture
@@ -126,15 +126,16 @@ async def test_with_no_routable_replica_the_request_gets_503(inbound):
     assert error["type"] == "ServiceUnavailableError"
 
 
-@pytest.mark.parametrize("headers, extra, session", [
-    ({"X-Session-ID": "s" * 300}, {"user": "alice"}, "s" * 256),  # the header first, cut to 256
-    ({}, {"user": "alice"}, "user:alice"),
-    ({}, {"metadata": {"user_id": "claude-session"}}, "user:claude-session"),  # Anthropic's field
-    ({}, {}, None),
+@pytest.mark.parametrize("headers, extra, session, by_user", [
+    ({"X-Session-ID": "s" * 300}, {"user": "alice"}, "s" * 256, False),  # the header first, cut to 256
+    ({}, {"user": "alice"}, "user:alice", True),
+    ({}, {"metadata": {"user_id": "claude-session"}}, "user:claude-session", True),  # Anthropic's field
+    ({}, {}, None, False),
 ])
-async def test_the_session_key_comes_from_the_header_else_the_user_field(inbound, headers, extra, session):
+async def test_the_session_key_comes_from_the_header_else_the_user_field(inbound, headers, extra, session, by_user):
     client = await inbound()
-    assert (await made_of(client, json=chat(**extra), headers=headers))["session"] == session
+    made = await made_of(client, json=chat(**extra), headers=headers)
+    assert made["session"] == session and made["session_by_user"] is by_user
 
 
 async def test_the_user_field_is_no_session_when_configured_off(inbound):

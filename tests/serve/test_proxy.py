@@ -277,3 +277,33 @@ async def test_a_continued_response_whose_home_is_outside_the_subset_hint_is_ref
         assert isinstance(routed, web.Response) and routed.status == 503, routed[1]
     finally:
         gw.executor.shutdown(wait=False)
+
+
+async def test_one_users_new_chat_is_no_rewrite_of_the_last_but_a_rewrite_within_a_chat_is(aiohttp_client, fleet):
+    """``user`` names an end user, not a conversation: a second chat of one user, interleaved with
+    the first, is not ``miss_changed``; a timestamp changed inside one chat's system prompt is."""
+    sims = await fleet(2)
+    config = config_from_dict({"replicas": [str(s.make_url("")).rstrip("/") for s in sims], "summary_interval_s": 0})
+    client = await aiohttp_client(create_app(config, ByteTokenizer()))
+    system = "You are a careful assistant. " + "Keep answers short and exact. " * 40
+
+    async def turn(system_text: str, *users: str) -> None:
+        messages = [{"role": "system", "content": system_text}]
+        for k, text in enumerate(users):
+            messages += [{"role": "user", "content": text}] + ([{"role": "assistant", "content": "ok"}]
+                                                                if k < len(users) - 1 else [])
+        body = {"model": MODEL, "max_tokens": 2, "user": "alice", "messages": messages}
+        assert (await client.post("/v1/chat/completions", json=body)).status == 200
+
+    async def changed() -> float:
+        return metric(await (await client.get("/metrics")).text(), "prefix_router_cache_requests_total",
+                      result="miss_changed")
+
+    await turn(system, "plan a trip to Rome for me please")
+    await turn(system, "why does my parser reject this input")
+    await turn(system, "plan a trip to Rome for me please", "three days, trains only")
+    await turn(system, "why does my parser reject this input", "here is the stack trace")
+    assert await changed() == 0
+    await turn("Today is 2026-12-07 18:00. " + system, "plan a trip to Rome for me please", "three days, trains only",
+               "and a museum")
+    assert await changed() == 1
