@@ -179,16 +179,18 @@ def patched(raw: bytes, body: dict | None, extra: dict, keys: frozenset[str] | s
 
 
 def _session_key(request: web.Request, body: dict, gw: Gateway) -> tuple[str | None, bool]:
-    """(the session key: the session header's, else the body's ``user``; whether it is the ``user``)."""
+    """(the session key: the session header's, else the body's ``user``; whether it is OpenAI's
+    ``user``, an end user's, not a conversation's, unlike a header or Anthropic's ``metadata.user_id``,
+    where Claude Code sends its session)."""
     key = request.headers.get(gw.config.routing.session_header)
     if key:
         return key[:256], False
-    user = body.get("user")
+    user, end_user = body.get("user"), True
     metadata = body.get("metadata")
-    if user is None and isinstance(metadata, dict):  # Anthropic's: Claude Code sends its session here
-        user = metadata.get("user_id")
+    if user is None and isinstance(metadata, dict):
+        user, end_user = metadata.get("user_id"), False
     if gw.config.routing.use_user_field and isinstance(user, str) and user:
-        return "user:" + user[:256], True
+        return "user:" + user[:256], end_user
     return None, False
 
 

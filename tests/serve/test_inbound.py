@@ -129,7 +129,7 @@ async def test_with_no_routable_replica_the_request_gets_503(inbound):
 @pytest.mark.parametrize("headers, extra, session, by_user", [
     ({"X-Session-ID": "s" * 300}, {"user": "alice"}, "s" * 256, False),  # the header first, cut to 256
     ({}, {"user": "alice"}, "user:alice", True),
-    ({}, {"metadata": {"user_id": "claude-session"}}, "user:claude-session", True),  # Anthropic's field
+    ({}, {"metadata": {"user_id": "claude-session"}}, "user:claude-session", False),  # Anthropic's: a session
     ({}, {}, None, False),
 ])
 async def test_the_session_key_comes_from_the_header_else_the_user_field(inbound, headers, extra, session, by_user):
